@@ -1,0 +1,210 @@
+// The causal depthwise conv math of DESIGN.md sections 1 and 2, written once for the CPU and the
+// CUDA kernels. Every function works on one (batch row, time, channel) point with 64-bit indices,
+// so kernels differ only in how they walk the points and where they keep delta.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#if defined(__CUDACC__)
+#define CAUSAL_CONV_HD __host__ __device__ __forceinline__
+#else
+#define CAUSAL_CONV_HD inline
+#endif
+
+namespace causal_conv {
+
+// Element strides of a (batch, time, channel) tensor; the two layouts are two choices of strides.
+struct Strides {
+  int64_t batch, time, channel;
+};
+
+CAUSAL_CONV_HD Strides make_strides(int64_t length, int64_t channels, bool channel_last) {
+  return channel_last ? Strides{length * channels, channels, 1}
+                      : Strides{channels * length, 1, length};
+}
+
+CAUSAL_CONV_HD int64_t offset(const Strides& s, int64_t b, int64_t t, int64_t d) {
+  return b * s.batch + t * s.time + d * s.channel;
+}
+
+// Everything a kernel needs, filled by the FFI handler. Optional tensors are null when absent.
+// weight is (groups, channels, width) and bias (groups, channels), both in the accumulation type;
+// batch row b uses group b / (batch / groups), which is how vmapped weights reach one launch.
+struct ConvParams {
+  int64_t batch = 0, length = 0, channels = 0, width = 0, groups = 1;
+  bool silu = false;
+  bool channel_last = true;
+  Strides x_strides{}, state_strides{};  // x, y, dy, dx / initial, final, their gradients
+  const void* x = nullptr;
+  const void* weight = nullptr;
+  const void* bias = nullptr;
+  const void* initial_state = nullptr;
+  const int32_t* seq_idx = nullptr;  // (batch, length)
+  void* y = nullptr;
+  void* final_state = nullptr;
+  const void* dy = nullptr;
+  const void* dfinal_state = nullptr;
+  void* dx = nullptr;
+  void* dinitial_state = nullptr;
+};
+
+// The (b, t, d) of the i-th element, in memory order, of an x-like (length = L) or state-like
+// (length = P) tensor, so that neighbouring threads touch neighbouring addresses in both layouts.
+struct Point {
+  int64_t b, t, d;
+};
+CAUSAL_CONV_HD Point point_at(int64_t i, int64_t length, int64_t channels, bool channel_last) {
+  const int64_t row = length * channels;
+  const int64_t b = i / row, r = i - b * row;
+  return channel_last ? Point{b, r / channels, r % channels} : Point{b, r % length, r / length};
+}
+
+CAUSAL_CONV_HD float exp_acc(float v) { return expf(v); }
+CAUSAL_CONV_HD double exp_acc(double v) { return exp(v); }
+
+template <typename A>
+CAUSAL_CONV_HD A sigmoid(A z) {
+  return A(1) / (A(1) + exp_acc(-z));
+}
+
+template <typename A>
+CAUSAL_CONV_HD A activate(A z, bool silu) {
+  return silu ? z * sigmoid(z) : z;
+}
+
+template <typename A>
+CAUSAL_CONV_HD A activation_grad(A z, bool silu) {
+  if (!silu) return A(1);
+  const A s = sigmoid(z);
+  return s * (A(1) + z * (A(1) - s));
+}
+
+// Storage type <-> accumulation type. Half types convert through float; every storage type used
+// here (float, double, the CUDA and CPU half types) has a float constructor and a float cast.
+template <typename A, typename T>
+CAUSAL_CONV_HD A to_acc(T v) {
+  if constexpr (std::is_same_v<T, A>) {
+    return v;
+  } else {
+    return static_cast<A>(static_cast<float>(v));
+  }
+}
+
+template <typename T, typename A>
+CAUSAL_CONV_HD T from_acc(A v) {
+  if constexpr (std::is_same_v<T, A>) {
+    return v;
+  } else {
+    return T(static_cast<float>(v));
+  }
+}
+
+// T: storage type of x and the states; A: accumulation type (float, or double for double x);
+// kWidth: the kernel width when known at compile time, 0 when read from params.
+template <typename T, typename A, int kWidth = 0>
+struct Conv {
+  ConvParams p;
+
+  CAUSAL_CONV_HD int64_t width() const { return kWidth > 0 ? kWidth : p.width; }
+  CAUSAL_CONV_HD int64_t state_len() const { return width() - 1; }
+
+  CAUSAL_CONV_HD int64_t group(int64_t b) const { return b / (p.batch / p.groups); }
+  CAUSAL_CONV_HD const A* weight_row(int64_t b, int64_t d) const {
+    return static_cast<const A*>(p.weight) + (group(b) * p.channels + d) * width();
+  }
+  CAUSAL_CONV_HD A bias(int64_t b, int64_t d) const {
+    return p.bias ? static_cast<const A*>(p.bias)[group(b) * p.channels + d] : A(0);
+  }
+
+  // seg(u) of DESIGN.md section 2: the initial state belongs to the row's first segment.
+  CAUSAL_CONV_HD int32_t segment(int64_t b, int64_t u) const {
+    return p.seq_idx[b * p.length + (u < 0 ? 0 : u)];
+  }
+  CAUSAL_CONV_HD bool is_padding(int64_t b, int64_t t) const {
+    return p.seq_idx != nullptr && segment(b, t) < 0;
+  }
+  // Whether output time t reads input time u (u may be negative: the initial state).
+  CAUSAL_CONV_HD bool tap_used(int64_t b, int64_t t, int64_t u) const {
+    if (p.seq_idx == nullptr) return true;
+    const int32_t s = segment(b, t);
+    return s >= 0 && segment(b, u) == s;
+  }
+
+  // The extended input x_u, u in [-P, L-1].
+  CAUSAL_CONV_HD A input(int64_t b, int64_t u, int64_t d) const {
+    if (u >= 0) return to_acc<A>(static_cast<const T*>(p.x)[offset(p.x_strides, b, u, d)]);
+    if (p.initial_state == nullptr) return A(0);
+    const int64_t j = u + state_len();
+    return to_acc<A>(static_cast<const T*>(p.initial_state)[offset(p.state_strides, b, j, d)]);
+  }
+
+  CAUSAL_CONV_HD A pre_activation(int64_t b, int64_t t, int64_t d) const {
+    const A* w = weight_row(b, d);
+    const int64_t P = state_len();
+    A z = bias(b, d);
+    for (int64_t k = 0; k < width(); ++k) {
+      const int64_t u = t - P + k;
+      if (tap_used(b, t, u)) z += w[k] * input(b, u, d);
+    }
+    return z;
+  }
+
+  CAUSAL_CONV_HD A output(int64_t b, int64_t t, int64_t d) const {
+    if (is_padding(b, t)) return A(0);
+    return activate(pre_activation(b, t, d), p.silu);
+  }
+
+  // F[j] = x_{L-P+j} when it belongs to the row's last (non-padding) segment.
+  CAUSAL_CONV_HD bool final_state_kept(int64_t b, int64_t j) const {
+    if (p.seq_idx == nullptr) return true;
+    const int32_t last = segment(b, p.length - 1);
+    return last >= 0 && segment(b, p.length - state_len() + j) == last;
+  }
+  CAUSAL_CONV_HD A final_state(int64_t b, int64_t j, int64_t d) const {
+    return final_state_kept(b, j) ? input(b, p.length - state_len() + j, d) : A(0);
+  }
+
+  // delta_t = dy_t * act'(z_t); zero at padding and outside [0, L).
+  CAUSAL_CONV_HD A delta(int64_t b, int64_t t, int64_t d) const {
+    if (t < 0 || t >= p.length || is_padding(b, t)) return A(0);
+    const A g = to_acc<A>(static_cast<const T*>(p.dy)[offset(p.x_strides, b, t, d)]);
+    return g * activation_grad(pre_activation(b, t, d), p.silu);
+  }
+
+  // The direct path of the final state: dF[j] lands on x_{L-P+j} as is.
+  CAUSAL_CONV_HD A final_state_grad(int64_t b, int64_t u, int64_t d) const {
+    const int64_t j = u - (p.length - state_len());
+    if (p.dfinal_state == nullptr || j < 0 || !final_state_kept(b, j)) return A(0);
+    return to_acc<A>(static_cast<const T*>(p.dfinal_state)[offset(p.state_strides, b, j, d)]);
+  }
+
+  // dx_u for u in [-P, L-1]; delta_at(t) returns delta_t for t in [max(u, 0), min(u + P, L - 1)].
+  template <typename DeltaAt>
+  CAUSAL_CONV_HD A input_grad(int64_t b, int64_t u, int64_t d, const DeltaAt& delta_at) const {
+    const A* w = weight_row(b, d);
+    const int64_t P = state_len();
+    A acc = A(0);
+    for (int64_t k = 0; k < width(); ++k) {
+      const int64_t t = u + P - k;
+      if (t >= 0 && t < p.length && tap_used(b, t, u)) acc += w[k] * delta_at(t);
+    }
+    return acc + final_state_grad(b, u, d);
+  }
+
+  // This point's share of dw[k] for output time t.
+  CAUSAL_CONV_HD A weight_grad_term(int64_t b, int64_t t, int64_t k, int64_t d, A delta_t) const {
+    const int64_t u = t - state_len() + k;
+    return tap_used(b, t, u) ? delta_t * input(b, u, d) : A(0);
+  }
+
+  CAUSAL_CONV_HD void store_x_like(void* base, int64_t b, int64_t t, int64_t d, A v) const {
+    static_cast<T*>(base)[offset(p.x_strides, b, t, d)] = from_acc<T>(v);
+  }
+  CAUSAL_CONV_HD void store_state_like(void* base, int64_t b, int64_t j, int64_t d, A v) const {
+    static_cast<T*>(base)[offset(p.state_strides, b, j, d)] = from_acc<T>(v);
+  }
+};
+
+}  // namespace causal_conv

@@ -1,0 +1,255 @@
+// CUDA kernels and their XLA FFI handlers, on top of the conv math in conv_math.h.
+//
+// Forward: one thread per output element, walked in memory order (coalesced in both layouts).
+// Backward: a block owns a (batch row, time tile, channel chunk). It keeps delta for its tile plus
+// the right halo of P rows in shared memory, writes dx only for the times it owns (and dS on the
+// first tile), and writes its dw/db sums for the times it owns to a scratch workspace. A second
+// kernel reduces the workspace in a fixed order, so dw and db are bitwise deterministic.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
+
+#include "conv_math.h"
+#include "ffi_common.h"
+
+namespace causal_conv {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kTileLen = 64;
+constexpr int64_t kMaxGridBlocks = int64_t{1} << 20;
+
+// Channels per backward block: keeps the delta tile within 48 KB for every width up to 256.
+template <typename A>
+constexpr int64_t tile_channels() {
+  return sizeof(A) == 8 ? 16 : 32;
+}
+
+int64_t grid_for(int64_t points) {
+  return std::max<int64_t>(1, std::min(kMaxGridBlocks, (points + kThreads - 1) / kThreads));
+}
+
+ffi::Error last_cuda_error(const char* where) {
+  const cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("jax_causal_conv: ") + where + ": " +
+                              cudaGetErrorString(err));
+}
+
+template <typename T, typename A, int kWidth>
+__global__ void forward_kernel(ConvParams p) {
+  const Conv<T, A, kWidth> conv{p};
+  const int64_t points = p.batch * p.length * p.channels;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < points;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const Point q = point_at(i, p.length, p.channels, p.channel_last);
+    conv.store_x_like(p.y, q.b, q.t, q.d, conv.output(q.b, q.t, q.d));
+  }
+}
+
+template <typename T, typename A, int kWidth>
+__global__ void final_state_kernel(ConvParams p) {
+  const Conv<T, A, kWidth> conv{p};
+  const int64_t points = p.batch * conv.state_len() * p.channels;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < points;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const Point q = point_at(i, conv.state_len(), p.channels, p.channel_last);
+    conv.store_state_like(p.final_state, q.b, q.t, q.d, conv.final_state(q.b, q.t, q.d));
+  }
+}
+
+// Row r and channel c of a (rows x channels) tile for linear index i: channels fastest for the
+// channel-last layout, rows (times) fastest otherwise, so a warp reads contiguous memory.
+__device__ __forceinline__ void tile_point(int64_t i, int64_t rows, int64_t channels,
+                                           bool channel_last, int64_t& r, int64_t& c) {
+  if (channel_last) {
+    r = i / channels;
+    c = i % channels;
+  } else {
+    r = i % rows;
+    c = i / rows;
+  }
+}
+
+// grid = (time tiles, channel chunks, batch). partials: (batch, tiles, channels, width + 1).
+template <typename T, typename A, int kWidth>
+__global__ void __launch_bounds__(kThreads)
+    backward_tile_kernel(ConvParams p, A* partials, int64_t tiles) {
+  constexpr int64_t DC = tile_channels<A>();
+  extern __shared__ unsigned char shared_raw[];
+  A* delta = reinterpret_cast<A*>(shared_raw);  // (kTileLen + P) x DC
+  const Conv<T, A, kWidth> conv{p};
+  const int64_t K = conv.width(), P = conv.state_len();
+  const int64_t b = blockIdx.z, tile = blockIdx.x, d0 = int64_t{blockIdx.y} * DC;
+  const int64_t a = tile * kTileLen;
+  const int64_t tile_end = a + kTileLen < p.length ? a + kTileLen : p.length;
+  const int64_t delta_rows = kTileLen + P;
+
+  for (int64_t i = threadIdx.x; i < delta_rows * DC; i += blockDim.x) {
+    int64_t r, c;
+    tile_point(i, delta_rows, DC, p.channel_last, r, c);
+    const int64_t d = d0 + c;
+    delta[r * DC + c] = d < p.channels ? conv.delta(b, a + r, d) : A(0);
+  }
+  __syncthreads();
+
+  // dx for the owned times, and dS = dx on [-P, 0) in the first tile.
+  const int64_t first_u = (tile == 0 && p.dinitial_state != nullptr) ? -P : a;
+  const int64_t owned = tile_end - first_u;
+  for (int64_t i = threadIdx.x; i < owned * DC; i += blockDim.x) {
+    int64_t r, c;
+    tile_point(i, owned, DC, p.channel_last, r, c);
+    const int64_t u = first_u + r, d = d0 + c;
+    if (d >= p.channels) continue;
+    const auto delta_at = [&](int64_t t) { return delta[(t - a) * DC + c]; };
+    const A g = conv.input_grad(b, u, d, delta_at);
+    if (u >= 0) {
+      conv.store_x_like(p.dx, b, u, d, g);
+    } else {
+      conv.store_state_like(p.dinitial_state, b, u + P, d, g);
+    }
+  }
+
+  // dw[k] (k < K) and db (k == K) over the owned times only: halo rows belong to the next tile.
+  A* out = partials + (b * tiles + tile) * p.channels * (K + 1);
+  for (int64_t i = threadIdx.x; i < (K + 1) * DC; i += blockDim.x) {
+    const int64_t c = i % DC, k = i / DC, d = d0 + c;
+    if (d >= p.channels) continue;
+    A sum = A(0);
+    for (int64_t t = a; t < tile_end; ++t) {
+      const A delta_t = delta[(t - a) * DC + c];
+      sum += k == K ? delta_t : conv.weight_grad_term(b, t, k, d, delta_t);
+    }
+    out[d * (K + 1) + k] = sum;
+  }
+}
+
+// Sums the partials of each weight group in a fixed order (rows, then tiles).
+template <typename A>
+__global__ void reduce_partials_kernel(const A* partials, int64_t groups, int64_t rows_per_group,
+                                       int64_t tiles, int64_t channels, int64_t width,
+                                       A* dweight, A* dbias) {
+  const int64_t per_group = channels * (width + 1);
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < groups * per_group;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t g = i / per_group, j = i % per_group;
+    const int64_t d = j / (width + 1), k = j % (width + 1);
+    A sum = A(0);
+    for (int64_t slice = g * rows_per_group * tiles; slice < (g + 1) * rows_per_group * tiles;
+         ++slice) {
+      sum += partials[slice * per_group + j];
+    }
+    if (k == width) {
+      dbias[g * channels + d] = sum;
+    } else {
+      dweight[(g * channels + d) * width + k] = sum;
+    }
+  }
+}
+
+template <typename T, typename A, int kWidth>
+ffi::Error launch_forward(cudaStream_t stream, const ConvParams& p) {
+  const int64_t points = p.batch * p.length * p.channels;
+  if (points > 0) {
+    forward_kernel<T, A, kWidth><<<grid_for(points), kThreads, 0, stream>>>(p);
+    if (auto err = last_cuda_error("forward kernel"); err.failure()) return err;
+  }
+  const int64_t state_points = p.batch * (p.width - 1) * p.channels;
+  if (p.final_state != nullptr && state_points > 0) {
+    final_state_kernel<T, A, kWidth><<<grid_for(state_points), kThreads, 0, stream>>>(p);
+    return last_cuda_error("final state kernel");
+  }
+  return ffi::Error::Success();
+}
+
+template <typename T, typename A, int kWidth>
+ffi::Error launch_backward(cudaStream_t stream, ffi::ScratchAllocator& scratch, const ConvParams& p,
+                           A* dweight, A* dbias) {
+  constexpr int64_t DC = tile_channels<A>();
+  const int64_t tiles = std::max<int64_t>(1, (p.length + kTileLen - 1) / kTileLen);
+  const int64_t chunks = (p.channels + DC - 1) / DC;
+  const int64_t per_slice = p.channels * (p.width + 1);
+  if (p.batch > 65535 || chunks > 65535) {
+    return invalid("backward supports at most 65535 batch rows and 65535 * 32 channels");
+  }
+  const size_t workspace_bytes = sizeof(A) * static_cast<size_t>(p.batch * tiles * per_slice);
+  auto workspace = scratch.Allocate(std::max<size_t>(workspace_bytes, 1), 256);
+  if (!workspace.has_value()) return ffi::Error::Internal("jax_causal_conv: no scratch memory");
+  A* partials = static_cast<A*>(*workspace);
+  if (p.batch > 0 && chunks > 0) {
+    const size_t shared_bytes = sizeof(A) * static_cast<size_t>((kTileLen + p.width - 1) * DC);
+    const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(chunks),
+                    static_cast<unsigned>(p.batch));
+    backward_tile_kernel<T, A, kWidth><<<grid, kThreads, shared_bytes, stream>>>(p, partials, tiles);
+    if (auto err = last_cuda_error("backward tile kernel"); err.failure()) return err;
+  }
+  const int64_t outputs = p.groups * per_slice;
+  reduce_partials_kernel<A><<<grid_for(outputs), kThreads, 0, stream>>>(
+      partials, p.groups, p.batch / p.groups, tiles, p.channels, p.width, dweight, dbias);
+  return last_cuda_error("reduce kernel");
+}
+
+ffi::Error forward_handler(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight,
+                           ffi::AnyBuffer bias, ffi::AnyBuffer initial_state,
+                           ffi::Buffer<ffi::S32> seq_idx, ffi::Result<ffi::AnyBuffer> y,
+                           ffi::Result<ffi::AnyBuffer> final_state, bool silu, bool channel_last) {
+  ConvParams p;
+  if (auto err = fill_params(x, weight, bias, initial_state, seq_idx, silu, channel_last, p);
+      err.failure()) {
+    return err;
+  }
+  p.y = y->untyped_data();
+  p.final_state = optional_data(final_state);
+  return dispatch_dtype<__half, __nv_bfloat16>(
+      x.element_type(), weight.element_type(), [&](auto types) {
+        using Types = decltype(types);
+        return dispatch_width(p.width, [&](auto width) {
+          return launch_forward<typename Types::Storage, typename Types::Acc,
+                                decltype(width)::value>(stream, p);
+        });
+      });
+}
+
+ffi::Error backward_handler(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
+                            ffi::AnyBuffer weight, ffi::AnyBuffer bias,
+                            ffi::AnyBuffer initial_state, ffi::Buffer<ffi::S32> seq_idx,
+                            ffi::AnyBuffer dy, ffi::AnyBuffer dfinal_state,
+                            ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dweight,
+                            ffi::Result<ffi::AnyBuffer> dbias,
+                            ffi::Result<ffi::AnyBuffer> dinitial_state, bool silu,
+                            bool channel_last) {
+  ConvParams p;
+  if (auto err = fill_params(x, weight, bias, initial_state, seq_idx, silu, channel_last, p);
+      err.failure()) {
+    return err;
+  }
+  p.dy = dy.untyped_data();
+  p.dfinal_state = optional_data(dfinal_state);
+  p.dx = dx->untyped_data();
+  p.dinitial_state = optional_data(dinitial_state);
+  return dispatch_dtype<__half, __nv_bfloat16>(
+      x.element_type(), weight.element_type(), [&](auto types) {
+        using Types = decltype(types);
+        using A = typename Types::Acc;
+        return dispatch_width(p.width, [&](auto width) {
+          return launch_backward<typename Types::Storage, A, decltype(width)::value>(
+              stream, scratch, p, static_cast<A*>(dweight->untyped_data()),
+              static_cast<A*>(dbias->untyped_data()));
+        });
+      });
+}
+
+}  // namespace
+}  // namespace causal_conv
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    CausalConv1dForwardCuda, causal_conv::forward_handler,
+    causal_conv::bind_forward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    CausalConv1dBackwardCuda, causal_conv::backward_handler,
+    causal_conv::bind_backward(xla::ffi::Ffi::Bind()
+                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                   .Ctx<xla::ffi::ScratchAllocator>()));

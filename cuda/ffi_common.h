@@ -1,0 +1,132 @@
+// Host-side glue shared by the CPU and CUDA FFI handlers: the argument bindings, buffers and
+// attributes into one ConvParams, and the one dtype and width dispatch table.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "conv_math.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace causal_conv {
+
+namespace ffi = xla::ffi;
+
+// Absent optional tensors travel as empty buffers.
+inline const void* optional_data(const ffi::AnyBuffer& buffer) {
+  return buffer.element_count() == 0 ? nullptr : buffer.untyped_data();
+}
+inline void* optional_data(ffi::Result<ffi::AnyBuffer>& buffer) {
+  return buffer->element_count() == 0 ? nullptr : buffer->untyped_data();
+}
+
+inline ffi::Error invalid(const std::string& what) {
+  return ffi::Error::InvalidArgument("jax_causal_conv: " + what);
+}
+
+// x is (batch, length, channels) for channel_last, else (batch, channels, length);
+// weight is (groups, channels, width), bias (groups, channels).
+inline ffi::Error fill_params(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight,
+                              const ffi::AnyBuffer& bias, const ffi::AnyBuffer& initial_state,
+                              const ffi::Buffer<ffi::S32>& seq_idx, bool silu, bool channel_last,
+                              ConvParams& p) {
+  const auto xd = x.dimensions();
+  const auto wd = weight.dimensions();
+  if (xd.size() != 3 || wd.size() != 3) return invalid("x and weight must have rank 3");
+  p.batch = xd[0];
+  p.length = channel_last ? xd[1] : xd[2];
+  p.channels = channel_last ? xd[2] : xd[1];
+  p.groups = wd[0];
+  p.width = wd[2];
+  if (wd[1] != p.channels) return invalid("weight channels do not match x");
+  if (p.groups < 1 || p.batch % p.groups != 0) return invalid("batch is not a multiple of groups");
+  if (p.width < 1) return invalid("width must be at least 1");
+  if (bias.element_count() != static_cast<size_t>(p.groups * p.channels)) {
+    return invalid("bias must be (groups, channels)");
+  }
+  const int64_t state_len = p.width - 1;
+  const size_t state_count = static_cast<size_t>(p.batch * state_len * p.channels);
+  if (initial_state.element_count() != 0 && initial_state.element_count() != state_count) {
+    return invalid("initial_state has the wrong size");
+  }
+  if (seq_idx.element_count() != 0 &&
+      seq_idx.element_count() != static_cast<size_t>(p.batch * p.length)) {
+    return invalid("seq_idx must be (batch, length)");
+  }
+  p.silu = silu;
+  p.channel_last = channel_last;
+  p.x_strides = make_strides(p.length, p.channels, channel_last);
+  p.state_strides = make_strides(state_len, p.channels, channel_last);
+  p.x = x.untyped_data();
+  p.weight = weight.untyped_data();
+  p.bias = bias.untyped_data();
+  p.initial_state = optional_data(initial_state);
+  p.seq_idx = seq_idx.element_count() == 0 ? nullptr : seq_idx.typed_data();
+  return ffi::Error::Success();
+}
+
+template <typename B>
+auto bind_forward(B binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()  // x
+      .template Arg<ffi::AnyBuffer>()            // weight
+      .template Arg<ffi::AnyBuffer>()            // bias
+      .template Arg<ffi::AnyBuffer>()            // initial_state (empty when absent)
+      .template Arg<ffi::Buffer<ffi::S32>>()     // seq_idx (empty when absent)
+      .template Ret<ffi::AnyBuffer>()            // y
+      .template Ret<ffi::AnyBuffer>()            // final_state (empty when not asked for)
+      .template Attr<bool>("silu")
+      .template Attr<bool>("channel_last");
+}
+
+template <typename B>
+auto bind_backward(B binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()  // x
+      .template Arg<ffi::AnyBuffer>()            // weight
+      .template Arg<ffi::AnyBuffer>()            // bias
+      .template Arg<ffi::AnyBuffer>()            // initial_state (empty when absent)
+      .template Arg<ffi::Buffer<ffi::S32>>()     // seq_idx (empty when absent)
+      .template Arg<ffi::AnyBuffer>()            // dy
+      .template Arg<ffi::AnyBuffer>()            // dfinal_state (empty when absent)
+      .template Ret<ffi::AnyBuffer>()            // dx
+      .template Ret<ffi::AnyBuffer>()            // dweight (groups, channels, width), accumulation type
+      .template Ret<ffi::AnyBuffer>()            // dbias (groups, channels), accumulation type
+      .template Ret<ffi::AnyBuffer>()            // dinitial_state (empty when absent)
+      .template Attr<bool>("silu")
+      .template Attr<bool>("channel_last");
+}
+
+template <typename T, typename A>
+struct TypePair {
+  using Storage = T;
+  using Acc = A;
+};
+
+// The dtype table: x's dtype picks the storage type T and the accumulation type A; weight and bias
+// arrive already in A. Each platform names its own half types.
+template <typename Half, typename BFloat16, typename Fn>
+ffi::Error dispatch_dtype(ffi::DataType x_dtype, ffi::DataType weight_dtype, Fn&& fn) {
+  const ffi::DataType acc = x_dtype == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
+  if (weight_dtype != acc) return invalid("weight and bias must be in x's accumulation type");
+  switch (x_dtype) {
+    case ffi::DataType::F32: return fn(TypePair<float, float>{});
+    case ffi::DataType::F64: return fn(TypePair<double, double>{});
+    case ffi::DataType::F16: return fn(TypePair<Half, float>{});
+    case ffi::DataType::BF16: return fn(TypePair<BFloat16, float>{});
+    default: return invalid("x must be float16, bfloat16, float32 or float64");
+  }
+}
+
+// Widths with a compile-time fast path; every other width runs the generic loop (kWidth = 0).
+template <typename Fn>
+auto dispatch_width(int64_t width, Fn&& fn) {
+  switch (width) {
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    case 4: return fn(std::integral_constant<int, 4>{});
+    default: return fn(std::integral_constant<int, 0>{});
+  }
+}
+
+}  // namespace causal_conv

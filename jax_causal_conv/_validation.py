@@ -1,0 +1,159 @@
+"""Trace-time argument checks shared by the kernels' API and the reference.
+
+Every check raises ValueError (bad value or shape) or TypeError (bad dtype) naming the argument
+and what was expected, before anything reaches a kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+MAX_WIDTH = 256
+LAYOUTS = ("BLD", "BDL")
+ACTIVATIONS = {None: False, "silu": True, "swish": True}
+X_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+
+
+@dataclass(frozen=True)
+class ConvSpec:
+    """Static facts about one causal_conv1d call, read off validated arguments."""
+
+    batch: int
+    length: int
+    channels: int
+    width: int
+    silu: bool
+    layout: str
+
+    @property
+    def state_len(self) -> int:
+        return self.width - 1
+
+    @property
+    def channel_last(self) -> bool:
+        return self.layout == "BLD"
+
+    def x_shape(self, length: int) -> tuple[int, int, int]:
+        """Shape of an x-like tensor with `length` time steps, in this call's layout."""
+        if self.channel_last:
+            return (self.batch, length, self.channels)
+        return (self.batch, self.channels, length)
+
+    @property
+    def state_shape(self) -> tuple[int, int, int]:
+        return self.x_shape(self.state_len)
+
+
+def _array(value: Any, name: str, fn: str) -> jnp.ndarray:
+    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+        try:
+            value = jnp.asarray(value)
+        except TypeError as e:
+            raise TypeError(f"{fn}: `{name}` must be an array, got {type(value).__name__}") from e
+    return value
+
+
+def _check_float(value: Any, name: str, fn: str, allowed=None) -> None:
+    dtype = np.dtype(value.dtype)
+    ok = any(dtype == np.dtype(d) for d in allowed) if allowed else jnp.issubdtype(dtype, jnp.floating)
+    if not ok:
+        names = ", ".join(np.dtype(d).name for d in allowed) if allowed else "a floating dtype"
+        raise TypeError(f"{fn}: `{name}` must have dtype {names}, got {dtype.name}")
+
+
+def check_layout(layout: Any, fn: str) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"{fn}: `layout` must be 'BLD' or 'BDL', got {layout!r}")
+    return layout
+
+
+def check_activation(activation: Any, fn: str) -> bool:
+    if not isinstance(activation, (str, type(None))) or activation not in ACTIVATIONS:
+        raise ValueError(
+            f"{fn}: `activation` must be None, 'silu' or 'swish', got {activation!r}"
+        )
+    return ACTIVATIONS[activation]
+
+
+def check_weight(weight: Any, channels: int, fn: str):
+    weight = _array(weight, "weight", fn)
+    _check_float(weight, "weight", fn)
+    if weight.ndim != 2 or weight.shape[0] != channels:
+        raise ValueError(
+            f"{fn}: `weight` must have shape (D, K) = ({channels}, K), got {tuple(weight.shape)}"
+        )
+    width = weight.shape[1]
+    if not 1 <= width <= MAX_WIDTH:
+        raise ValueError(f"{fn}: `weight` width K must be in [1, {MAX_WIDTH}], got K={width}")
+    return weight, width
+
+
+def check_bias(bias: Any, channels: int, fn: str):
+    if bias is None:
+        return None
+    bias = _array(bias, "bias", fn)
+    _check_float(bias, "bias", fn)
+    if tuple(bias.shape) != (channels,):
+        raise ValueError(f"{fn}: `bias` must have shape (D,) = ({channels},), got {tuple(bias.shape)}")
+    return bias
+
+
+def check_state(state: Any, name: str, shape: tuple[int, ...], dtype, fn: str):
+    if state is None:
+        return None
+    state = _array(state, name, fn)
+    if tuple(state.shape) != tuple(shape):
+        raise ValueError(f"{fn}: `{name}` must have shape {tuple(shape)}, got {tuple(state.shape)}")
+    if np.dtype(state.dtype) != np.dtype(dtype):
+        raise TypeError(
+            f"{fn}: `{name}` must have x's dtype {np.dtype(dtype).name}, got {np.dtype(state.dtype).name}"
+        )
+    return state
+
+
+def check_int32(value: Any, name: str, shape: tuple[int, ...], fn: str):
+    if value is None:
+        return None
+    value = _array(value, name, fn)
+    if np.dtype(value.dtype) != np.dtype(np.int32):
+        raise TypeError(f"{fn}: `{name}` must have dtype int32, got {np.dtype(value.dtype).name}")
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{fn}: `{name}` must have shape {tuple(shape)}, got {tuple(value.shape)}")
+    return value
+
+
+def check_flag(value: Any, name: str, fn: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{fn}: `{name}` must be a Python bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def check_conv_args(
+    x, weight, bias, *, activation, initial_state, seq_idx, return_final_state, layout,
+    fn: str = "causal_conv1d",
+):
+    """Validates causal_conv1d's arguments; returns them as arrays plus a ConvSpec."""
+    layout = check_layout(layout, fn)
+    silu = check_activation(activation, fn)
+    return_final_state = check_flag(return_final_state, "return_final_state", fn)
+    x = _array(x, "x", fn)
+    _check_float(x, "x", fn, X_DTYPES)
+    if x.ndim != 3:
+        order = "(B, L, D)" if layout == "BLD" else "(B, D, L)"
+        raise ValueError(f"{fn}: `x` must have rank 3, {order} for layout={layout!r}, got shape {tuple(x.shape)}")
+    if layout == "BLD":
+        batch, length, channels = x.shape
+    else:
+        batch, channels, length = x.shape
+    if length < 1:
+        raise ValueError(f"{fn}: `x` must have at least one time step, got shape {tuple(x.shape)}")
+    weight, width = check_weight(weight, channels, fn)
+    bias = check_bias(bias, channels, fn)
+    spec = ConvSpec(batch, length, channels, width, silu, layout)
+    initial_state = check_state(initial_state, "initial_state", spec.state_shape, x.dtype, fn)
+    seq_idx = check_int32(seq_idx, "seq_idx", (batch, length), fn)
+    return (x, weight, bias, initial_state, seq_idx, return_final_state), spec

@@ -1,0 +1,93 @@
+"""Shared test setup: float64 oracle, DESIGN.md tolerances, devices, and random inputs."""
+
+from __future__ import annotations
+
+import jax
+
+jax.config.update("jax_enable_x64", True)  # the reference runs in float64 (DESIGN.md section 5)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+# ||out - ref|| / ||ref|| bounds from DESIGN.md section 5 (float64 checks the kernels' exactness).
+TOLERANCE = {
+    jnp.dtype(jnp.float64): 1e-12,
+    jnp.dtype(jnp.float32): 1e-5,
+    jnp.dtype(jnp.float16): 2e-3,
+    jnp.dtype(jnp.bfloat16): 1e-2,
+}
+DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16, jnp.float64]
+
+
+def gpu_devices():
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+# Every kernel test runs on the CPU; with the `gpu` marker it also runs on the first GPU.
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param(
+        "gpu", id="gpu",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not gpu_devices(), reason="no GPU")],
+    ),
+]
+
+
+def device(name: str):
+    return jax.devices("cpu")[0] if name == "cpu" else gpu_devices()[0]
+
+
+def rel_err(out, ref) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN anywhere gives inf, so it never passes."""
+    out = np.asarray(jnp.asarray(out, jnp.float64))
+    ref = np.asarray(jnp.asarray(ref, jnp.float64))
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    if np.isnan(out).any() or np.isnan(ref).any():
+        return float("inf")
+    denom = np.linalg.norm(ref)
+    num = np.linalg.norm(out - ref)
+    return float(num / denom) if denom > 0 else float(num)
+
+
+def assert_close(out, ref, dtype, what=""):
+    err = rel_err(out, ref)
+    tol = TOLERANCE[jnp.dtype(dtype)]
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.0e}"
+
+
+def to_f64(tree):
+    return jax.tree.map(lambda a: None if a is None else jnp.asarray(a, jnp.float64), tree)
+
+
+def random_seq_idx(rng, batch, length, boundaries=None, padding=True):
+    """Sorted segment ids per row; optional explicit boundaries; optional trailing padding (-1)."""
+    rows = []
+    for _ in range(batch):
+        if boundaries is None:
+            cuts = np.sort(rng.choice(np.arange(1, max(length, 2)), size=min(3, max(length - 1, 0)), replace=False))
+        else:
+            cuts = np.asarray([c for c in boundaries if 0 < c < length])
+        ids = np.searchsorted(cuts, np.arange(length), side="right").astype(np.int32)
+        if padding and length > 2:
+            ids[length - rng.integers(1, max(2, length // 4)):] = -1
+        rows.append(ids)
+    return np.stack(rows)
+
+
+def make_inputs(rng, *, batch, length, channels, width, dtype, layout="BLD", bias=True,
+                initial_state=False, seq_idx=False):
+    """Fresh random inputs for causal_conv1d, as numpy arrays (x and states in `dtype`)."""
+    x_shape = (batch, length, channels) if layout == "BLD" else (batch, channels, length)
+    s_shape = (batch, width - 1, channels) if layout == "BLD" else (batch, channels, width - 1)
+    out = dict(
+        x=jnp.asarray(rng.standard_normal(x_shape), dtype),
+        weight=jnp.asarray(rng.standard_normal((channels, width)) / np.sqrt(width), jnp.float32),
+        bias=jnp.asarray(rng.standard_normal(channels), jnp.float32) if bias else None,
+        initial_state=jnp.asarray(rng.standard_normal(s_shape), dtype) if initial_state else None,
+        seq_idx=jnp.asarray(random_seq_idx(rng, batch, length)) if seq_idx else None,
+    )
+    return out
