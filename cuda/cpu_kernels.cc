@@ -83,7 +83,8 @@ ffi::Error backward_handler(ffi::AnyBuffer x, ffi::AnyBuffer weight, ffi::AnyBuf
                             ffi::AnyBuffer dy, ffi::AnyBuffer dfinal_state,
                             ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dweight,
                             ffi::Result<ffi::AnyBuffer> dbias,
-                            ffi::Result<ffi::AnyBuffer> dinitial_state, bool silu,
+                            ffi::Result<ffi::AnyBuffer> dinitial_state,
+                            ffi::Result<ffi::AnyBuffer> /*workspace: empty on CPU*/, bool silu,
                             bool channel_last) {
   ConvParams p;
   if (auto err = fill_params(x, weight, bias, initial_state, seq_idx, silu, channel_last, p);

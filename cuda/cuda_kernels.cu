@@ -4,7 +4,9 @@
 // Backward: a block owns a (batch row, time tile, channel chunk). It keeps delta for its tile plus
 // the right halo of P rows in shared memory, writes dx only for the times it owns (and dS on the
 // first tile), and writes its dw/db sums for the times it owns to a scratch workspace. A second
-// kernel reduces the workspace in a fixed order, so dw and db are bitwise deterministic.
+// kernel reduces the workspace in a fixed order, so dw and db are bitwise deterministic. The
+// workspace is an extra output of the custom call (XLA allocates it with the other buffers), sized
+// by backward_workspace_elements, which Python asks for at lowering time.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -21,6 +23,8 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int64_t kTileLen = 64;
 constexpr int64_t kMaxGridBlocks = int64_t{1} << 20;
+
+int64_t tile_count(int64_t length) { return std::max<int64_t>(1, (length + kTileLen - 1) / kTileLen); }
 
 // Channels per backward block: keeps the delta tile within 48 KB for every width up to 256.
 template <typename A>
@@ -166,19 +170,19 @@ ffi::Error launch_forward(cudaStream_t stream, const ConvParams& p) {
 }
 
 template <typename T, typename A, int kWidth>
-ffi::Error launch_backward(cudaStream_t stream, ffi::ScratchAllocator& scratch, const ConvParams& p,
-                           A* dweight, A* dbias) {
+ffi::Error launch_backward(cudaStream_t stream, const ConvParams& p, A* dweight, A* dbias,
+                           size_t workspace_elements,
+                           A* partials) {
   constexpr int64_t DC = tile_channels<A>();
-  const int64_t tiles = std::max<int64_t>(1, (p.length + kTileLen - 1) / kTileLen);
+  const int64_t tiles = tile_count(p.length);
   const int64_t chunks = (p.channels + DC - 1) / DC;
   const int64_t per_slice = p.channels * (p.width + 1);
   if (p.batch > 65535 || chunks > 65535) {
     return invalid("backward supports at most 65535 batch rows and 65535 * 32 channels");
   }
-  const size_t workspace_bytes = sizeof(A) * static_cast<size_t>(p.batch * tiles * per_slice);
-  auto workspace = scratch.Allocate(std::max<size_t>(workspace_bytes, 1), 256);
-  if (!workspace.has_value()) return ffi::Error::Internal("jax_causal_conv: no scratch memory");
-  A* partials = static_cast<A*>(*workspace);
+  if (workspace_elements < static_cast<size_t>(p.batch * tiles * per_slice)) {
+    return invalid("workspace is too small");
+  }
   if (p.batch > 0 && chunks > 0) {
     const size_t shared_bytes = sizeof(A) * static_cast<size_t>((kTileLen + p.width - 1) * DC);
     const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(chunks),
@@ -213,14 +217,14 @@ ffi::Error forward_handler(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
       });
 }
 
-ffi::Error backward_handler(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
+ffi::Error backward_handler(cudaStream_t stream, ffi::AnyBuffer x,
                             ffi::AnyBuffer weight, ffi::AnyBuffer bias,
                             ffi::AnyBuffer initial_state, ffi::Buffer<ffi::S32> seq_idx,
                             ffi::AnyBuffer dy, ffi::AnyBuffer dfinal_state,
                             ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dweight,
                             ffi::Result<ffi::AnyBuffer> dbias,
-                            ffi::Result<ffi::AnyBuffer> dinitial_state, bool silu,
-                            bool channel_last) {
+                            ffi::Result<ffi::AnyBuffer> dinitial_state,
+                            ffi::Result<ffi::AnyBuffer> workspace, bool silu, bool channel_last) {
   ConvParams p;
   if (auto err = fill_params(x, weight, bias, initial_state, seq_idx, silu, channel_last, p);
       err.failure()) {
@@ -236,13 +240,20 @@ ffi::Error backward_handler(cudaStream_t stream, ffi::ScratchAllocator scratch, 
         using A = typename Types::Acc;
         return dispatch_width(p.width, [&](auto width) {
           return launch_backward<typename Types::Storage, A, decltype(width)::value>(
-              stream, scratch, p, static_cast<A*>(dweight->untyped_data()),
-              static_cast<A*>(dbias->untyped_data()));
+              stream, p, static_cast<A*>(dweight->untyped_data()),
+              static_cast<A*>(dbias->untyped_data()), workspace->element_count(),
+              static_cast<A*>(workspace->untyped_data()));
         });
       });
 }
 
 }  // namespace
+
+int64_t backward_workspace_elements(int64_t batch, int64_t length, int64_t channels,
+                                    int64_t width) {
+  return batch * tile_count(length) * channels * (width + 1);
+}
+
 }  // namespace causal_conv
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -250,6 +261,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     causal_conv::bind_forward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     CausalConv1dBackwardCuda, causal_conv::backward_handler,
-    causal_conv::bind_backward(xla::ffi::Ffi::Bind()
-                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                   .Ctx<xla::ffi::ScratchAllocator>()));
+    causal_conv::bind_backward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));

@@ -93,6 +93,7 @@ auto bind_backward(B binding) {
       .template Ret<ffi::AnyBuffer>()            // dweight (groups, channels, width), accumulation type
       .template Ret<ffi::AnyBuffer>()            // dbias (groups, channels), accumulation type
       .template Ret<ffi::AnyBuffer>()            // dinitial_state (empty when absent)
+      .template Ret<ffi::AnyBuffer>()            // workspace (backward_workspace_elements)
       .template Attr<bool>("silu")
       .template Attr<bool>("channel_last");
 }

@@ -134,7 +134,16 @@ def _backward_fallback(*operands, **params):
 
 # ---- FFI lowering ----
 
-def _ffi_rule(target, slots, result_slots):
+def _workspace_aval(platform, avals_in, params):
+    """The backward's extra workspace output, sized by the platform's kernel."""
+    x, weight = avals_in[0], avals_in[1]
+    batch = x.shape[0]
+    length, channels = (x.shape[1], x.shape[2]) if params["channel_last"] else (x.shape[2], x.shape[1])
+    n = _native.backward_workspace_elements(platform, batch, length, channels, weight.shape[-1])
+    return jax.core.ShapedArray((n,), weight.dtype)
+
+
+def _ffi_rule(platform, target, slots, result_slots):
     """Lowers to the FFI target, passing absent operands and results as empty buffers."""
     ffi_lowering = jax.ffi.ffi_lowering(_native.target(target))
 
@@ -156,6 +165,8 @@ def _ffi_rule(target, slots, result_slots):
             next(out_avals) if slot in produced else jax.core.ShapedArray((0,), dtype)
             for slot in result_slots
         ]
+        if target == "causal_conv1d_bwd":
+            avals_out.append(_workspace_aval(platform, ctx.avals_in, params))
         results = ffi_lowering(
             ctx.replace(avals_in=avals_in, avals_out=avals_out), *args,
             silu=np.bool_(params["silu"]), channel_last=np.bool_(params["channel_last"]),
@@ -178,9 +189,9 @@ for _prim, _target, _slots, _results, _fallback in (
     (backward_p, "causal_conv1d_bwd", BWD_SLOTS, BWD_RESULTS, _backward_fallback),
 ):
     _fallback_rule = mlir.lower_fun(_fallback, multiple_results=True)
-    _native_rule = _ffi_rule(_target, _slots, _results)
     mlir.register_lowering(_prim, _fallback_rule)
     for _platform in ("cpu", "cuda"):
+        _native_rule = _ffi_rule(_platform, _target, _slots, _results)
         mlir.register_lowering(
             _prim, _platform_rule(_platform, _native_rule, _fallback_rule), platform=_platform
         )

@@ -25,7 +25,8 @@ if step build; then
   fi
 fi
 summary+=("gpu: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)")
-summary+=("jax: $(python3 -c 'import jax, jax_causal_conv._native as n; print(jax.__version__, jax.devices()[0].platform, sorted(n.native_platforms))' 2>&1 | tail -1)")
+# From outside the checkout, so the installed package (with its extensions) is imported.
+summary+=("jax: $(cd /tmp && python3 -c 'import jax, jax_causal_conv._native as n; print(jax.__version__, jax.devices()[0].platform, sorted(n.native_platforms))' 2>&1 | tail -1)")
 
 if step tests; then
   # shellcheck disable=SC2086
