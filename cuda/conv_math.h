@@ -101,6 +101,10 @@ CAUSAL_CONV_HD T from_acc(A v) {
   }
 }
 
+// DESIGN.md section 2: output time t (segment seg_t) reads input time u (segment seg_u) only
+// inside its own non-padding segment.
+CAUSAL_CONV_HD bool same_segment(int32_t seg_t, int32_t seg_u) { return seg_t >= 0 && seg_u == seg_t; }
+
 // T: storage type of x and the states; A: accumulation type (float, or double for double x);
 // kWidth: the kernel width when known at compile time, 0 when read from params.
 template <typename T, typename A, int kWidth = 0>
@@ -127,9 +131,7 @@ struct Conv {
   }
   // Whether output time t reads input time u (u may be negative: the initial state).
   CAUSAL_CONV_HD bool tap_used(int64_t b, int64_t t, int64_t u) const {
-    if (p.seq_idx == nullptr) return true;
-    const int32_t s = segment(b, t);
-    return s >= 0 && segment(b, u) == s;
+    return p.seq_idx == nullptr || same_segment(segment(b, t), segment(b, u));
   }
 
   // The extended input x_u, u in [-P, L-1].
@@ -158,9 +160,8 @@ struct Conv {
 
   // F[j] = x_{L-P+j} when it belongs to the row's last (non-padding) segment.
   CAUSAL_CONV_HD bool final_state_kept(int64_t b, int64_t j) const {
-    if (p.seq_idx == nullptr) return true;
-    const int32_t last = segment(b, p.length - 1);
-    return last >= 0 && segment(b, p.length - state_len() + j) == last;
+    return p.seq_idx == nullptr ||
+           same_segment(segment(b, p.length - 1), segment(b, p.length - state_len() + j));
   }
   CAUSAL_CONV_HD A final_state(int64_t b, int64_t j, int64_t d) const {
     return final_state_kept(b, j) ? input(b, p.length - state_len() + j, d) : A(0);

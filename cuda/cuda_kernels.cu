@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
 
 #include "conv_math.h"
@@ -52,6 +53,135 @@ __global__ void forward_kernel(ConvParams p) {
     const Point q = point_at(i, p.length, p.channels, p.channel_last);
     conv.store_x_like(p.y, q.b, q.t, q.d, conv.output(q.b, q.t, q.d));
   }
+}
+
+// ---- vectorized forward for compile-time widths: 16-byte loads and stores ----
+
+template <typename T>
+struct alignas(16) Pack {
+  static constexpr int kSize = 16 / sizeof(T);
+  T v[kSize];
+};
+
+// Time steps per thread in the channel-last forward: the K-1 halo rows it re-reads come from L2.
+constexpr int64_t kForwardTimeChunk = 32;
+
+template <typename T, typename A, int K>
+__device__ __forceinline__ void load_pack(const Conv<T, A, K>& conv, int64_t b, int64_t u,
+                                          int64_t d0, A (&out)[Pack<T>::kSize]) {
+  const ConvParams& p = conv.p;
+  const T* src = nullptr;
+  if (u >= 0) {
+    src = static_cast<const T*>(p.x) + offset(p.x_strides, b, u, d0);
+  } else if (p.initial_state != nullptr) {
+    src = static_cast<const T*>(p.initial_state) + offset(p.state_strides, b, u + K - 1, d0);
+  }
+  if (src == nullptr) {
+    for (int v = 0; v < Pack<T>::kSize; ++v) out[v] = A(0);
+    return;
+  }
+  const Pack<T> pack = *reinterpret_cast<const Pack<T>*>(src);
+  for (int v = 0; v < Pack<T>::kSize; ++v) out[v] = to_acc<A>(pack.v[v]);
+}
+
+// (B, L, D), D a multiple of the pack: a thread owns one pack of channels over a chunk of time
+// and slides a K-row register window down it.
+template <typename T, typename A, int K>
+__global__ void __launch_bounds__(kThreads) forward_channel_last_kernel(ConvParams p) {
+  constexpr int V = Pack<T>::kSize;
+  constexpr int P = K - 1;
+  const Conv<T, A, K> conv{p};
+  const int64_t packs = p.channels / V;
+  const int64_t chunks = (p.length + kForwardTimeChunk - 1) / kForwardTimeChunk;
+  const int64_t total = p.batch * chunks * packs;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t d0 = (i % packs) * V;
+    const int64_t chunk = (i / packs) % chunks, b = i / (packs * chunks);
+    const int64_t t0 = chunk * kForwardTimeChunk;
+    const int64_t t1 = t0 + kForwardTimeChunk < p.length ? t0 + kForwardTimeChunk : p.length;
+    A w[K][V], bias[V];
+    for (int v = 0; v < V; ++v) {
+      const A* row = conv.weight_row(b, d0 + v);
+      for (int k = 0; k < K; ++k) w[k][v] = row[k];
+      bias[v] = conv.bias(b, d0 + v);
+    }
+    A window[K][V];  // window[k] holds x_{t-P+k}
+    int32_t segment[K] = {};
+    for (int k = 0; k < P; ++k) {
+      load_pack(conv, b, t0 - P + k, d0, window[k]);
+      if (p.seq_idx != nullptr) segment[k] = conv.segment(b, t0 - P + k);
+    }
+    for (int64_t t = t0; t < t1; ++t) {
+      load_pack(conv, b, t, d0, window[P]);
+      if (p.seq_idx != nullptr) segment[P] = conv.segment(b, t);
+      Pack<T> out;
+      for (int v = 0; v < V; ++v) {
+        A z = bias[v];
+        for (int k = 0; k < K; ++k) {
+          const bool used = p.seq_idx == nullptr || same_segment(segment[P], segment[k]);
+          z += used ? w[k][v] * window[k][v] : A(0);
+        }
+        const bool padding = p.seq_idx != nullptr && segment[P] < 0;
+        out.v[v] = from_acc<T>(padding ? A(0) : activate(z, p.silu));
+      }
+      *reinterpret_cast<Pack<T>*>(static_cast<T*>(p.y) + offset(p.x_strides, b, t, d0)) = out;
+      for (int k = 0; k < P; ++k) {
+        segment[k] = segment[k + 1];
+        for (int v = 0; v < V; ++v) window[k][v] = window[k + 1][v];
+      }
+    }
+  }
+}
+
+// (B, D, L), L a multiple of the pack: a thread owns one pack of consecutive times of one
+// channel; the K-1 inputs before it are scalar loads that hit the neighbouring lane's lines in L1.
+template <typename T, typename A, int K>
+__global__ void __launch_bounds__(kThreads) forward_channel_first_kernel(ConvParams p) {
+  constexpr int V = Pack<T>::kSize;
+  constexpr int P = K - 1;
+  const Conv<T, A, K> conv{p};
+  const int64_t packs = p.length / V;
+  const int64_t total = p.batch * p.channels * packs;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t t0 = (i % packs) * V;
+    const int64_t d = (i / packs) % p.channels, b = i / (packs * p.channels);
+    const A* w = conv.weight_row(b, d);
+    const A bias = conv.bias(b, d);
+    A xs[P + V];  // xs[j] = x_{t0-P+j}
+    int32_t segment[P + V] = {};
+    for (int j = 0; j < P; ++j) xs[j] = conv.input(b, t0 - P + j, d);
+    const Pack<T> in = *reinterpret_cast<const Pack<T>*>(static_cast<const T*>(p.x) +
+                                                         offset(p.x_strides, b, t0, d));
+    for (int v = 0; v < V; ++v) xs[P + v] = to_acc<A>(in.v[v]);
+    if (p.seq_idx != nullptr) {
+      for (int j = 0; j < P + V; ++j) segment[j] = conv.segment(b, t0 - P + j);
+    }
+    Pack<T> out;
+    for (int v = 0; v < V; ++v) {
+      A z = bias;
+      for (int k = 0; k < K; ++k) {
+        const bool used = p.seq_idx == nullptr || same_segment(segment[P + v], segment[v + k]);
+        z += used ? w[k] * xs[v + k] : A(0);
+      }
+      const bool padding = p.seq_idx != nullptr && segment[P + v] < 0;
+      out.v[v] = from_acc<T>(padding ? A(0) : activate(z, p.silu));
+    }
+    *reinterpret_cast<Pack<T>*>(static_cast<T*>(p.y) + offset(p.x_strides, b, t0, d)) = out;
+  }
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// Whether the vectorized forward applies: a compile-time width, packs that tile the contiguous
+// dimension, and 16-byte aligned buffers.
+template <typename T>
+bool vector_forward_applies(const ConvParams& p, int width) {
+  constexpr int V = Pack<T>::kSize;
+  const int64_t contiguous = p.channel_last ? p.channels : p.length;
+  return width > 0 && contiguous % V == 0 && aligned16(p.x) && aligned16(p.y) &&
+         (p.initial_state == nullptr || aligned16(p.initial_state));
 }
 
 template <typename T, typename A, int kWidth>
@@ -154,13 +284,31 @@ __global__ void reduce_partials_kernel(const A* partials, int64_t groups, int64_
   }
 }
 
+// y: the vectorized kernels where they apply, else one thread per element.
+template <typename T, typename A, int kWidth>
+ffi::Error launch_output(cudaStream_t stream, const ConvParams& p) {
+  const int64_t points = p.batch * p.length * p.channels;
+  if (points == 0) return ffi::Error::Success();
+  if constexpr (kWidth > 0) {
+    if (vector_forward_applies<T>(p, kWidth)) {
+      constexpr int64_t V = Pack<T>::kSize;
+      if (p.channel_last) {
+        const int64_t chunks = (p.length + kForwardTimeChunk - 1) / kForwardTimeChunk;
+        forward_channel_last_kernel<T, A, kWidth>
+            <<<grid_for(p.batch * chunks * (p.channels / V)), kThreads, 0, stream>>>(p);
+      } else {
+        forward_channel_first_kernel<T, A, kWidth><<<grid_for(points / V), kThreads, 0, stream>>>(p);
+      }
+      return last_cuda_error("vectorized forward kernel");
+    }
+  }
+  forward_kernel<T, A, kWidth><<<grid_for(points), kThreads, 0, stream>>>(p);
+  return last_cuda_error("forward kernel");
+}
+
 template <typename T, typename A, int kWidth>
 ffi::Error launch_forward(cudaStream_t stream, const ConvParams& p) {
-  const int64_t points = p.batch * p.length * p.channels;
-  if (points > 0) {
-    forward_kernel<T, A, kWidth><<<grid_for(points), kThreads, 0, stream>>>(p);
-    if (auto err = last_cuda_error("forward kernel"); err.failure()) return err;
-  }
+  if (auto err = launch_output<T, A, kWidth>(stream, p); err.failure()) return err;
   const int64_t state_points = p.batch * (p.width - 1) * p.channels;
   if (p.final_state != nullptr && state_points > 0) {
     final_state_kernel<T, A, kWidth><<<grid_for(state_points), kThreads, 0, stream>>>(p);
