@@ -261,6 +261,225 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// ---- vectorized backward for compile-time widths ----
+
+template <typename T, typename A>
+__device__ __forceinline__ void load_pack_at(const void* base, int64_t element,
+                                             A (&out)[Pack<T>::kSize]) {
+  const Pack<T> pack = *reinterpret_cast<const Pack<T>*>(static_cast<const T*>(base) + element);
+  for (int v = 0; v < Pack<T>::kSize; ++v) out[v] = to_acc<A>(pack.v[v]);
+}
+
+template <typename T, typename A>
+__device__ __forceinline__ void store_pack_at(void* base, int64_t element,
+                                              const A (&values)[Pack<T>::kSize]) {
+  Pack<T> pack;
+  for (int v = 0; v < Pack<T>::kSize; ++v) pack.v[v] = from_acc<T>(values[v]);
+  *reinterpret_cast<Pack<T>*>(static_cast<T*>(base) + element) = pack;
+}
+
+// (B, L, D), D a multiple of the pack. A thread owns one pack of channels over one 64-step tile
+// [t0, t1) and streams s from t0 to t1 + P - 1 with three K-row register windows: x_{s-P..s},
+// delta_{s-P..s} and their segment ids. At step s it finishes delta_s, adds delta_s's dw/db terms
+// when it owns s, and emits dx_{s-P}, whose deltas (s-P .. s) are all in the window by then.
+// Partial sums go to partials[b, tile, d, 0..K] (no other thread owns those channels and steps).
+template <typename T, typename A, int K>
+__global__ void __launch_bounds__(kThreads)
+    backward_channel_last_kernel(ConvParams p, A* partials, int64_t tiles) {
+  constexpr int V = Pack<T>::kSize;
+  constexpr int P = K - 1;
+  const Conv<T, A, K> conv{p};
+  const bool masked = p.seq_idx != nullptr;
+  const int64_t packs = p.channels / V;
+  const int64_t total = p.batch * tiles * packs;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t d0 = (i % packs) * V;
+    const int64_t tile = (i / packs) % tiles, b = i / (packs * tiles);
+    const int64_t t0 = tile * kTileLen;
+    const int64_t t1 = t0 + kTileLen < p.length ? t0 + kTileLen : p.length;
+    const int64_t first_u = (tile == 0 && p.dinitial_state != nullptr) ? -P : t0;
+    A w[K][V], bias[V], dw[K][V], db[V];
+    for (int v = 0; v < V; ++v) {
+      const A* row = conv.weight_row(b, d0 + v);
+      for (int k = 0; k < K; ++k) {
+        w[k][v] = row[k];
+        dw[k][v] = A(0);
+      }
+      bias[v] = conv.bias(b, d0 + v);
+      db[v] = A(0);
+    }
+    A x[K][V], delta[K][V];
+    int32_t segment[K] = {};
+    for (int k = 0; k < P; ++k) {
+      load_pack(conv, b, t0 - P + k, d0, x[k]);
+      if (masked) segment[k] = conv.segment(b, t0 - P + k);
+      for (int v = 0; v < V; ++v) delta[k][v] = A(0);
+    }
+    for (int64_t s = t0; s < t1 + P; ++s) {
+      const bool live = s < p.length;
+      A dy[V];
+      if (live) {
+        load_pack(conv, b, s, d0, x[P]);
+        load_pack_at<T>(p.dy, offset(p.x_strides, b, s, d0), dy);
+        if (masked) segment[P] = conv.segment(b, s);
+      } else {
+        for (int v = 0; v < V; ++v) x[P][v] = dy[v] = A(0);
+        segment[P] = -1;
+      }
+      const bool output = live && !(masked && segment[P] < 0);
+      for (int v = 0; v < V; ++v) {
+        A z = bias[v];
+        for (int k = 0; k < K; ++k) {
+          z += (!masked || same_segment(segment[P], segment[k])) ? w[k][v] * x[k][v] : A(0);
+        }
+        delta[P][v] = output ? dy[v] * activation_grad(z, p.silu) : A(0);
+      }
+      if (s < t1) {
+        for (int v = 0; v < V; ++v) {
+          db[v] += delta[P][v];
+          for (int k = 0; k < K; ++k) {
+            const bool used = !masked || same_segment(segment[P], segment[k]);
+            dw[k][v] += used ? delta[P][v] * x[k][v] : A(0);
+          }
+        }
+      }
+      const int64_t u = s - P;  // tap k of output time s - k reads x_u; its delta is delta[P - k]
+      if (u >= first_u) {
+        A g[V];
+        for (int v = 0; v < V; ++v) {
+          A acc = A(0);
+          for (int k = 0; k < K; ++k) {
+            const bool used = !masked || same_segment(segment[P - k], segment[0]);
+            acc += used ? w[k][v] * delta[P - k][v] : A(0);
+          }
+          g[v] = acc;
+        }
+        if (u >= p.length - P) {
+          for (int v = 0; v < V; ++v) g[v] += conv.final_state_grad(b, u, d0 + v);
+        }
+        if (u >= 0) {
+          store_pack_at<T>(p.dx, offset(p.x_strides, b, u, d0), g);
+        } else {
+          store_pack_at<T>(p.dinitial_state, offset(p.state_strides, b, u + P, d0), g);
+        }
+      }
+      for (int k = 0; k < P; ++k) {
+        segment[k] = segment[k + 1];
+        for (int v = 0; v < V; ++v) {
+          x[k][v] = x[k + 1][v];
+          delta[k][v] = delta[k + 1][v];
+        }
+      }
+    }
+    A* out = partials + ((b * tiles + tile) * p.channels + d0) * (K + 1);
+    for (int v = 0; v < V; ++v) {
+      for (int k = 0; k < K; ++k) out[v * (K + 1) + k] = dw[k][v];
+      out[v * (K + 1) + K] = db[v];
+    }
+  }
+}
+
+// Time steps covered by one warp of the channel-first backward (32 packs of one channel row).
+template <typename T>
+constexpr int64_t channel_first_group_len() {
+  return 32 * Pack<T>::kSize;
+}
+
+// (B, D, L), L a multiple of the pack. A warp owns 32 consecutive packs of one (b, d) row, a
+// lane one pack of V times: it rebuilds delta on [t0, t0 + V + P) from scalar halo loads (L1 hits
+// of its neighbours' lines), writes dx for its V times (and dS in the row's first pack), and the
+// warp sums its dw/db terms with a fixed shuffle tree into partials[b, group, d, 0..K].
+template <typename T, typename A, int K>
+__global__ void __launch_bounds__(kThreads)
+    backward_channel_first_kernel(ConvParams p, A* partials, int64_t groups) {
+  constexpr int V = Pack<T>::kSize;
+  constexpr int P = K - 1;
+  constexpr int kLanes = 32;
+  const Conv<T, A, K> conv{p};
+  const bool masked = p.seq_idx != nullptr;
+  const int lane = threadIdx.x % kLanes;
+  const int64_t packs = p.length / V;
+  const int64_t warps = p.batch * p.channels * groups;
+  const int64_t warps_per_grid = int64_t{gridDim.x} * (blockDim.x / kLanes);
+  for (int64_t wi = blockIdx.x * int64_t{blockDim.x / kLanes} + threadIdx.x / kLanes; wi < warps;
+       wi += warps_per_grid) {
+    const int64_t group = wi % groups, d = (wi / groups) % p.channels;
+    const int64_t b = wi / (groups * p.channels);
+    const int64_t pack = group * kLanes + lane;
+    A dw[K + 1] = {};  // dw[K] is db
+    if (pack < packs) {
+      const int64_t t0 = pack * V;
+      const A* w = conv.weight_row(b, d);
+      const A bias = conv.bias(b, d);
+      A x[2 * P + V];  // x_{t0-P+j}
+      A delta[V + P];  // delta_{t0+j}
+      int32_t segment[2 * P + V] = {};
+      for (int j = 0; j < P; ++j) x[j] = conv.input(b, t0 - P + j, d);
+      load_pack_at<T>(p.x, offset(p.x_strides, b, t0, d), reinterpret_cast<A(&)[V]>(x[P]));
+      for (int j = P + V; j < 2 * P + V; ++j) {
+        const int64_t u = t0 - P + j;
+        x[j] = u < p.length ? conv.input(b, u, d) : A(0);
+      }
+      if (masked) {
+        for (int j = 0; j < 2 * P + V; ++j) {
+          const int64_t u = t0 - P + j;
+          segment[j] = u < p.length ? conv.segment(b, u) : -1;
+        }
+      }
+      A dy[V];
+      load_pack_at<T>(p.dy, offset(p.x_strides, b, t0, d), dy);
+      for (int j = 0; j < V + P; ++j) {
+        const int64_t t = t0 + j;
+        const int32_t seg_t = segment[P + j];
+        if (t >= p.length || (masked && seg_t < 0)) {
+          delta[j] = A(0);
+          continue;
+        }
+        A z = bias;
+        for (int k = 0; k < K; ++k) {
+          z += (!masked || same_segment(seg_t, segment[j + k])) ? w[k] * x[j + k] : A(0);
+        }
+        const A g = j < V ? dy[j] : to_acc<A>(static_cast<const T*>(p.dy)[offset(p.x_strides, b, t, d)]);
+        delta[j] = g * activation_grad(z, p.silu);
+      }
+      for (int j = 0; j < V; ++j) {
+        dw[K] += delta[j];
+        for (int k = 0; k < K; ++k) {
+          const bool used = !masked || same_segment(segment[P + j], segment[j + k]);
+          dw[k] += used ? delta[j] * x[j + k] : A(0);
+        }
+      }
+      A g[V];
+      for (int j = 0; j < V; ++j) {
+        A acc = A(0);
+        for (int k = 0; k < K; ++k) {  // output time t0 + j + P - k, delta index j + P - k
+          if (j + P - k >= V + P) continue;
+          const bool used = !masked || same_segment(segment[2 * P + j - k], segment[P + j]);
+          acc += used ? w[k] * delta[j + P - k] : A(0);
+        }
+        g[j] = acc + conv.final_state_grad(b, t0 + j, d);
+      }
+      store_pack_at<T>(p.dx, offset(p.x_strides, b, t0, d), g);
+      if (t0 == 0 && p.dinitial_state != nullptr) {
+        const auto delta_at = [&](int64_t t) { return delta[t]; };
+        for (int64_t u = -P; u < 0; ++u) {
+          conv.store_state_like(p.dinitial_state, b, u + P, d, conv.input_grad(b, u, d, delta_at));
+        }
+      }
+    }
+    for (int k = 0; k <= K; ++k) {
+      for (int offset_lanes = kLanes / 2; offset_lanes > 0; offset_lanes /= 2) {
+        dw[k] += __shfl_xor_sync(0xffffffffu, dw[k], offset_lanes);
+      }
+    }
+    if (lane == 0) {
+      A* out = partials + ((b * groups + group) * p.channels + d) * (K + 1);
+      for (int k = 0; k <= K; ++k) out[k] = dw[k];
+    }
+  }
+}
+
 // Sums the partials of each weight group in a fixed order (rows, then tiles).
 template <typename A>
 __global__ void reduce_partials_kernel(const A* partials, int64_t groups, int64_t rows_per_group,
@@ -317,30 +536,65 @@ ffi::Error launch_forward(cudaStream_t stream, const ConvParams& p) {
   return ffi::Error::Success();
 }
 
+// Whether the vectorized backward applies (the forward's conditions plus aligned gradients).
+template <typename T>
+bool vector_backward_applies(const ConvParams& p, int width) {
+  return vector_forward_applies<T>(p, width) && aligned16(p.dy) && aligned16(p.dx) &&
+         (p.dinitial_state == nullptr || aligned16(p.dinitial_state));
+}
+
+// Launches the dw/db partial sums (and dx, dS) kernel; returns how many partial slices per batch
+// row it wrote, or an error.
 template <typename T, typename A, int kWidth>
-ffi::Error launch_backward(cudaStream_t stream, const ConvParams& p, A* dweight, A* dbias,
-                           size_t workspace_elements,
-                           A* partials) {
+ffi::Error launch_backward_partials(cudaStream_t stream, const ConvParams& p, A* partials,
+                                    int64_t& slices) {
+  if constexpr (kWidth > 0) {
+    if (vector_backward_applies<T>(p, kWidth)) {
+      constexpr int64_t V = Pack<T>::kSize;
+      if (p.channel_last) {
+        slices = tile_count(p.length);
+        backward_channel_last_kernel<T, A, kWidth>
+            <<<grid_for(p.batch * slices * (p.channels / V)), kThreads, 0, stream>>>(p, partials,
+                                                                                     slices);
+      } else {
+        slices = (p.length + channel_first_group_len<T>() - 1) / channel_first_group_len<T>();
+        backward_channel_first_kernel<T, A, kWidth>
+            <<<grid_for(p.batch * p.channels * slices * 32), kThreads, 0, stream>>>(p, partials,
+                                                                                    slices);
+      }
+      return last_cuda_error("vectorized backward kernel");
+    }
+  }
   constexpr int64_t DC = tile_channels<A>();
-  const int64_t tiles = tile_count(p.length);
+  slices = tile_count(p.length);
   const int64_t chunks = (p.channels + DC - 1) / DC;
-  const int64_t per_slice = p.channels * (p.width + 1);
   if (p.batch > 65535 || chunks > 65535) {
     return invalid("backward supports at most 65535 batch rows and 65535 * 32 channels");
   }
-  if (workspace_elements < static_cast<size_t>(p.batch * tiles * per_slice)) {
+  const size_t shared_bytes = sizeof(A) * static_cast<size_t>((kTileLen + p.width - 1) * DC);
+  const dim3 grid(static_cast<unsigned>(slices), static_cast<unsigned>(chunks),
+                  static_cast<unsigned>(p.batch));
+  backward_tile_kernel<T, A, kWidth><<<grid, kThreads, shared_bytes, stream>>>(p, partials, slices);
+  return last_cuda_error("backward tile kernel");
+}
+
+template <typename T, typename A, int kWidth>
+ffi::Error launch_backward(cudaStream_t stream, const ConvParams& p, A* dweight, A* dbias,
+                           size_t workspace_elements, A* partials) {
+  const int64_t per_slice = p.channels * (p.width + 1);
+  // Every kernel above writes at most tile_count(L) slices per row.
+  if (workspace_elements < static_cast<size_t>(p.batch * tile_count(p.length) * per_slice)) {
     return invalid("workspace is too small");
   }
-  if (p.batch > 0 && chunks > 0) {
-    const size_t shared_bytes = sizeof(A) * static_cast<size_t>((kTileLen + p.width - 1) * DC);
-    const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(chunks),
-                    static_cast<unsigned>(p.batch));
-    backward_tile_kernel<T, A, kWidth><<<grid, kThreads, shared_bytes, stream>>>(p, partials, tiles);
-    if (auto err = last_cuda_error("backward tile kernel"); err.failure()) return err;
+  int64_t slices = 0;
+  if (p.batch > 0 && p.channels > 0) {
+    if (auto err = launch_backward_partials<T, A, kWidth>(stream, p, partials, slices);
+        err.failure()) {
+      return err;
+    }
   }
-  const int64_t outputs = p.groups * per_slice;
-  reduce_partials_kernel<A><<<grid_for(outputs), kThreads, 0, stream>>>(
-      partials, p.groups, p.batch / p.groups, tiles, p.channels, p.width, dweight, dbias);
+  reduce_partials_kernel<A><<<grid_for(p.groups * per_slice), kThreads, 0, stream>>>(
+      partials, p.groups, p.batch / p.groups, slices, p.channels, p.width, dweight, dbias);
   return last_cuda_error("reduce kernel");
 }
 
