@@ -50,9 +50,10 @@ class ConvSpec:
 
 def _array(value: Any, name: str, fn: str) -> jnp.ndarray:
     if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+        # jnp.asarray rejects None and ragged sequences with a ValueError that names no argument.
         try:
             value = jnp.asarray(value)
-        except TypeError as e:
+        except (TypeError, ValueError) as e:
             raise TypeError(f"{fn}: `{name}` must be an array, got {type(value).__name__}") from e
     return value
 
@@ -79,12 +80,14 @@ def check_activation(activation: Any, fn: str) -> bool:
     return ACTIVATIONS[activation]
 
 
-def check_weight(weight: Any, channels: int, fn: str):
+def check_weight(weight: Any, channels: int, fn: str, channels_from: str = ""):
+    """`channels_from` says where D was read (e.g. x's axis for a layout), for a mismatch message."""
     weight = _array(weight, "weight", fn)
     _check_float(weight, "weight", fn)
     if weight.ndim != 2 or weight.shape[0] != channels:
+        where = f" with D from {channels_from}" if channels_from else ""
         raise ValueError(
-            f"{fn}: `weight` must have shape (D, K) = ({channels}, K), got {tuple(weight.shape)}"
+            f"{fn}: `weight` must have shape (D, K) = ({channels}, K){where}, got {tuple(weight.shape)}"
         )
     width = weight.shape[1]
     if not 1 <= width <= MAX_WIDTH:
@@ -151,7 +154,10 @@ def check_conv_args(
         batch, channels, length = x.shape
     if length < 1:
         raise ValueError(f"{fn}: `x` must have at least one time step, got shape {tuple(x.shape)}")
-    weight, width = check_weight(weight, channels, fn)
+    d_axis = 2 if layout == "BLD" else 1
+    weight, width = check_weight(
+        weight, channels, fn, f"x.shape[{d_axis}] (layout={layout!r})"
+    )
     bias = check_bias(bias, channels, fn)
     spec = ConvSpec(batch, length, channels, width, silu, layout)
     initial_state = check_state(initial_state, "initial_state", spec.state_shape, x.dtype, fn)
