@@ -20,6 +20,12 @@ CASES = [
     (3, 130, 33, 3, "BLD", jnp.float16, True, True),
     (2, 2, 40, 8, "BDL", jnp.float32, False, True),    # L < K-1: F holds entries of S
     (1, 100, 17, 17, "BLD", jnp.float64, True, False),  # generic-width path
+    # vectorized paths: K <= 4 and D (BLD) or L (BDL) a multiple of the 16-byte pack
+    (2, 200, 64, 4, "BLD", jnp.bfloat16, True, True),
+    (2, 136, 64, 2, "BLD", jnp.float32, False, True),
+    (2, 2, 64, 4, "BLD", jnp.float32, False, True),      # L < K-1
+    (3, 264, 16, 3, "BDL", jnp.float16, True, True),
+    (2, 520, 8, 4, "BDL", jnp.float64, False, True),
 ]
 
 
@@ -45,9 +51,10 @@ def main():
             return jnp.sum(y.astype(jnp.float64) ** 2) + jnp.sum(final.astype(jnp.float64))
 
         args = (x, w, b, s)
-        grads = jax.jit(jax.grad(lambda *a: loss(jcc.causal_conv1d, *a), argnums=(0, 1, 2)))(*args)
+        argnums = (0, 1, 2, 3) if with_state else (0, 1, 2)
+        grads = jax.jit(jax.grad(lambda *a: loss(jcc.causal_conv1d, *a), argnums=argnums))(*args)
         f64 = [None if a is None else jnp.asarray(a, jnp.float64) for a in args]
-        ref = jax.grad(lambda *a: loss(jcc.reference.causal_conv1d, *a), argnums=(0, 1, 2))(*f64)
+        ref = jax.grad(lambda *a: loss(jcc.reference.causal_conv1d, *a), argnums=argnums)(*f64)
         errs = [float(jnp.linalg.norm(g.astype(jnp.float64) - r) / jnp.linalg.norm(r))
                 for g, r in zip(grads, ref)]
         tol = {jnp.float32: 1e-5, jnp.float64: 1e-12, jnp.float16: 2e-3, jnp.bfloat16: 1e-2}[dtype]
