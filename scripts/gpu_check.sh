@@ -30,7 +30,8 @@ summary+=("jax: $(cd /tmp && python3 -c 'import jax, jax_causal_conv._native as 
 
 if step tests; then
   # shellcheck disable=SC2086
-  python3 -m pytest -q -m gpu -p no:cacheprovider $PYTEST_ARGS >"$OUT/pytest_gpu.log" 2>&1
+  # -P: do not put the checkout first on sys.path (it has no compiled extensions).
+  python3 -P -m pytest -q -m gpu -p no:cacheprovider $PYTEST_ARGS >"$OUT/pytest_gpu.log" 2>&1
   summary+=("pytest -m gpu $PYTEST_ARGS: $(tail -1 "$OUT/pytest_gpu.log")")
   grep -E "^(FAILED|ERROR)" "$OUT/pytest_gpu.log" | head -20
 fi
