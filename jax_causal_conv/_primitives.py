@@ -201,7 +201,7 @@ for _prim, _target, _slots, _results, _fallback in (
 
 def _batching_rule(prim):
     def rule(operands, dims, **params):
-        size = next(o.shape[d] for o, d in zip(operands, dims) if d is not batching.not_mapped)
+        size = next(o.shape[d] for o, d in zip(operands, dims) if d is not None)
         folded = []
         for operand, dim in zip(operands, dims):
             front = batching.bdim_at_front(operand, dim, size)
