@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "conv_math.h"
+#include "update_math.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace causal_conv {
@@ -128,6 +129,74 @@ auto dispatch_width(int64_t width, Fn&& fn) {
     case 4: return fn(std::integral_constant<int, 4>{});
     default: return fn(std::integral_constant<int, 0>{});
   }
+}
+
+// causal_conv1d_update: x is (batch, tokens, channels) for channel_last, else (batch, channels,
+// tokens); the state is (pool, state_len, channels) in the same layout. p.state and p.y are set by
+// the handler, which owns the in-place contract.
+inline ffi::Error fill_update_params(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight,
+                                     const ffi::AnyBuffer& bias, const ffi::AnyBuffer& state,
+                                     const ffi::Buffer<ffi::S32>& cache_seqlens,
+                                     const ffi::Buffer<ffi::S32>& state_indices, bool silu,
+                                     bool channel_last, UpdateParams& p) {
+  const auto xd = x.dimensions();
+  const auto wd = weight.dimensions();
+  const auto sd = state.dimensions();
+  if (xd.size() != 3 || wd.size() != 3 || sd.size() != 3) {
+    return invalid("x, weight and conv_state must have rank 3");
+  }
+  p.batch = xd[0];
+  p.tokens = channel_last ? xd[1] : xd[2];
+  p.channels = channel_last ? xd[2] : xd[1];
+  p.groups = wd[0];
+  p.width = wd[2];
+  p.pool = sd[0];
+  p.state_len = channel_last ? sd[1] : sd[2];
+  if (wd[1] != p.channels) return invalid("weight channels do not match x");
+  if ((channel_last ? sd[2] : sd[1]) != p.channels) {
+    return invalid("conv_state channels do not match x");
+  }
+  if (p.groups < 1 || p.batch % p.groups != 0) return invalid("batch is not a multiple of groups");
+  if (p.width < 1) return invalid("width must be at least 1");
+  if (p.state_len < p.width - 1) return invalid("conv_state must hold at least width - 1 steps");
+  if (state.element_type() != x.element_type()) return invalid("conv_state must have x's dtype");
+  if (bias.element_count() != static_cast<size_t>(p.groups * p.channels)) {
+    return invalid("bias must be (groups, channels)");
+  }
+  const size_t batch = static_cast<size_t>(p.batch);
+  if (cache_seqlens.element_count() != 0 && cache_seqlens.element_count() != batch) {
+    return invalid("cache_seqlens must be (batch,)");
+  }
+  if (state_indices.element_count() != 0 && state_indices.element_count() != batch) {
+    return invalid("state_indices must be (batch,)");
+  }
+  if (state_indices.element_count() == 0 && p.batch != 0 && p.pool != p.batch) {
+    return invalid("without state_indices the conv_state pool must have batch rows");
+  }
+  p.silu = silu;
+  p.channel_last = channel_last;
+  p.x_strides = make_strides(p.tokens, p.channels, channel_last);
+  p.state_strides = make_strides(p.state_len, p.channels, channel_last);
+  p.x = x.untyped_data();
+  p.weight = weight.untyped_data();
+  p.bias = bias.untyped_data();
+  p.cache_seqlens = cache_seqlens.element_count() == 0 ? nullptr : cache_seqlens.typed_data();
+  p.state_indices = state_indices.element_count() == 0 ? nullptr : state_indices.typed_data();
+  return ffi::Error::Success();
+}
+
+template <typename B>
+auto bind_update(B binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()  // x
+      .template Arg<ffi::AnyBuffer>()            // weight
+      .template Arg<ffi::AnyBuffer>()            // bias
+      .template Arg<ffi::AnyBuffer>()            // conv_state (aliased to new_conv_state)
+      .template Arg<ffi::Buffer<ffi::S32>>()     // cache_seqlens (empty when absent)
+      .template Arg<ffi::Buffer<ffi::S32>>()     // state_indices (empty when absent)
+      .template Ret<ffi::AnyBuffer>()            // y
+      .template Ret<ffi::AnyBuffer>()            // new_conv_state
+      .template Attr<bool>("silu")
+      .template Attr<bool>("channel_last");
 }
 
 }  // namespace causal_conv

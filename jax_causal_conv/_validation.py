@@ -163,3 +163,129 @@ def check_conv_args(
     initial_state = check_state(initial_state, "initial_state", spec.state_shape, x.dtype, fn)
     seq_idx = check_int32(seq_idx, "seq_idx", (batch, length), fn)
     return (x, weight, bias, initial_state, seq_idx, return_final_state), spec
+
+
+@dataclass(frozen=True)
+class UpdateSpec:
+    """Static facts about one causal_conv1d_update call, read off validated arguments."""
+
+    batch: int
+    tokens: int
+    channels: int
+    width: int
+    state_len: int  # S, the conv_state slots (at least width - 1)
+    pool: int
+    silu: bool
+    layout: str
+    single_token: bool  # x was (B, D)
+
+    @property
+    def channel_last(self) -> bool:
+        return self.layout == "BLD"
+
+
+def check_update_args(
+    x, conv_state, weight, bias, *, activation, cache_seqlens, state_indices, layout,
+    fn: str = "causal_conv1d_update",
+):
+    """Validates causal_conv1d_update's arguments; returns them as arrays (x as rank 3) and a spec."""
+    layout = check_layout(layout, fn)
+    silu = check_activation(activation, fn)
+    x = _array(x, "x", fn)
+    _check_float(x, "x", fn, X_DTYPES)
+    order = "(B, T, D)" if layout == "BLD" else "(B, D, T)"
+    single_token = x.ndim == 2
+    if single_token:
+        x = x[:, None, :] if layout == "BLD" else x[:, :, None]
+    elif x.ndim != 3:
+        raise ValueError(
+            f"{fn}: `x` must be (B, D) for one token or {order} for layout={layout!r}, "
+            f"got shape {tuple(x.shape)}"
+        )
+    batch, tokens, channels = x.shape if layout == "BLD" else (x.shape[0], x.shape[2], x.shape[1])
+    if tokens < 1:
+        raise ValueError(f"{fn}: `x` must hold at least one token, got shape {tuple(x.shape)}")
+    weight, width = check_weight(weight, channels, fn)
+    bias = check_bias(bias, channels, fn)
+
+    conv_state = _array(conv_state, "conv_state", fn)
+    state_order = "(pool, S, D)" if layout == "BLD" else "(pool, D, S)"
+    if conv_state.ndim != 3:
+        raise ValueError(
+            f"{fn}: `conv_state` must have rank 3, {state_order} for layout={layout!r}, "
+            f"got shape {tuple(conv_state.shape)}"
+        )
+    if np.dtype(conv_state.dtype) != np.dtype(x.dtype):
+        raise TypeError(
+            f"{fn}: `conv_state` must have x's dtype {np.dtype(x.dtype).name}, "
+            f"got {np.dtype(conv_state.dtype).name}"
+        )
+    if layout == "BLD":
+        pool, state_len, state_channels = conv_state.shape
+    else:
+        pool, state_channels, state_len = conv_state.shape
+    if state_channels != channels or state_len < width - 1:
+        raise ValueError(
+            f"{fn}: `conv_state` must be {state_order} with D={channels} and S >= K-1={width - 1}, "
+            f"got shape {tuple(conv_state.shape)}"
+        )
+    cache_seqlens = check_int32(cache_seqlens, "cache_seqlens", (batch,), fn)
+    state_indices = check_int32(state_indices, "state_indices", (batch,), fn)
+    if state_indices is None and pool != batch:
+        raise ValueError(
+            f"{fn}: without `state_indices`, `conv_state` must have one row per batch row "
+            f"(pool={batch}), got pool={pool}"
+        )
+    spec = UpdateSpec(batch, tokens, channels, width, state_len, pool, silu, layout, single_token)
+    return (x, conv_state, weight, bias, cache_seqlens, state_indices), spec
+
+
+@dataclass(frozen=True)
+class VarlenSpec:
+    """Static facts about one causal_conv1d_varlen call, read off validated arguments."""
+
+    tokens: int
+    channels: int
+    width: int
+    num_seqs: int
+    silu: bool
+
+    @property
+    def state_len(self) -> int:
+        return self.width - 1
+
+
+def check_varlen_args(
+    x, weight, bias, *, cu_seqlens, activation, initial_states, return_final_states,
+    fn: str = "causal_conv1d_varlen",
+):
+    """Validates causal_conv1d_varlen's arguments; returns them as arrays plus a VarlenSpec."""
+    silu = check_activation(activation, fn)
+    return_final_states = check_flag(return_final_states, "return_final_states", fn)
+    x = _array(x, "x", fn)
+    _check_float(x, "x", fn, X_DTYPES)
+    if x.ndim != 2 or x.shape[0] < 1:
+        raise ValueError(
+            f"{fn}: `x` must be packed tokens (T, D) with T >= 1, got shape {tuple(x.shape)}"
+        )
+    tokens, channels = x.shape
+    weight, width = check_weight(weight, channels, fn)
+    bias = check_bias(bias, channels, fn)
+    if cu_seqlens is None:
+        raise ValueError(
+            f"{fn}: `cu_seqlens` is required, an int32 (N+1,) array of sequence offsets"
+        )
+    cu_seqlens = _array(cu_seqlens, "cu_seqlens", fn)
+    if np.dtype(cu_seqlens.dtype) != np.dtype(np.int32):
+        raise TypeError(
+            f"{fn}: `cu_seqlens` must have dtype int32, got {np.dtype(cu_seqlens.dtype).name}"
+        )
+    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 1:
+        raise ValueError(
+            f"{fn}: `cu_seqlens` must have shape (N+1,) with N >= 0, got {tuple(cu_seqlens.shape)}"
+        )
+    spec = VarlenSpec(tokens, channels, width, cu_seqlens.shape[0] - 1, silu)
+    initial_states = check_state(
+        initial_states, "initial_states", (spec.num_seqs, spec.state_len, channels), x.dtype, fn
+    )
+    return (x, weight, bias, cu_seqlens, initial_states, return_final_states), spec

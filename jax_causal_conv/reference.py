@@ -1,8 +1,8 @@
 """Pure-jnp reference implementations: the oracle for tests and the fallback lowering.
 
-They follow DESIGN.md sections 1 and 2 literally (a shifted sum over the K taps with the seq_idx
-masks applied to the inputs), validate their arguments like the kernels' API, and are
-differentiable by JAX.
+They follow DESIGN.md sections 1 to 3 literally (a shifted sum over the K taps with the seq_idx,
+ring-buffer and per-sequence masks applied to the inputs), validate their arguments like the
+kernels' API, and are differentiable by JAX.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ._validation import check_conv_args
+from ._validation import check_conv_args, check_update_args, check_varlen_args
 
 
 def accumulation_dtype(dtype) -> jnp.dtype:
@@ -71,3 +71,133 @@ def causal_conv1d(
         keep = (last >= 0) & (seg_ext[:, L : L + P] == last)
         final = jnp.where(keep[..., None], final, 0)
     return y, _to_bld(final.astype(x.dtype), layout)
+
+
+def update_rows(x, conv_state, weight, bias, cache_seqlens, state_indices, *, silu):
+    """causal_conv1d_update on validated "BLD" arrays with per-row weight (B, D, K) and bias (B, D).
+
+    x is (B, T, D) and conv_state (pool, S, D); returns (y, new_conv_state). Shared by
+    causal_conv1d_update below and the update primitive's fallback lowering.
+    """
+    batch, tokens, _ = x.shape
+    pool, S, _ = conv_state.shape
+    P = weight.shape[-1] - 1
+    acc = weight.dtype
+    if state_indices is None:
+        valid = jnp.ones((batch,), bool)
+        rows = conv_state
+    else:
+        valid = (state_indices >= 0) & (state_indices < pool)
+        rows = conv_state[jnp.where(valid, state_indices, 0)]
+    if cache_seqlens is None:
+        ext = jnp.concatenate([rows, x], axis=1)  # ext[:, S + u] = x_u, u counted from the first new token
+        window = ext[:, S - P :]
+        new_rows = ext[:, tokens:]
+    else:
+        start = cache_seqlens[:, None]
+        if S > 0:
+            history = start + jnp.arange(-P, 0)  # absolute positions c-P .. c-1
+            past = jnp.take_along_axis(rows, jnp.mod(history, S)[..., None], axis=1)
+            past = jnp.where((history >= 0)[..., None], past, 0)
+            # Slot s ends up holding the latest written position p = c+T-1 - ((c+T-1-s) mod S), if p >= c.
+            last = start + tokens - 1
+            position = last - jnp.mod(last - jnp.arange(S), S)
+            written = jnp.take_along_axis(x, jnp.clip(position - start, 0, tokens - 1)[..., None], axis=1)
+            new_rows = jnp.where((position >= start)[..., None], written, rows)
+        else:
+            past, new_rows = rows, rows
+        window = jnp.concatenate([past, x], axis=1)
+    window = window.astype(acc)
+    z = bias[:, None, :]
+    for k in range(P + 1):
+        z = z + window[:, k : k + tokens, :] * weight[:, None, :, k]
+    y = z * jax.nn.sigmoid(z) if silu else z
+    y = jnp.where(valid[:, None, None], y, 0).astype(x.dtype)
+    if state_indices is None:
+        return y, new_rows
+    target = jnp.where(valid, state_indices, pool)  # out of range: dropped
+    return y, conv_state.at[target].set(new_rows, mode="drop")
+
+
+def causal_conv1d_update(
+    x,
+    conv_state,
+    weight,
+    bias=None,
+    *,
+    activation=None,
+    cache_seqlens=None,
+    state_indices=None,
+    layout="BLD",
+):
+    """Reference causal_conv1d_update; same signature and semantics as the kernels' version."""
+    (x, conv_state, weight, bias, cache_seqlens, state_indices), spec = check_update_args(
+        x, conv_state, weight, bias, activation=activation, cache_seqlens=cache_seqlens,
+        state_indices=state_indices, layout=layout, fn="reference.causal_conv1d_update",
+    )
+    acc = accumulation_dtype(x.dtype)
+    rows_weight = jnp.broadcast_to(weight.astype(acc), (spec.batch,) + weight.shape)
+    b = jnp.zeros((spec.channels,), acc) if bias is None else bias.astype(acc)
+    rows_bias = jnp.broadcast_to(b, (spec.batch, spec.channels))
+    y, new_state = update_rows(
+        _to_bld(x, layout), _to_bld(conv_state, layout), rows_weight, rows_bias, cache_seqlens,
+        state_indices, silu=spec.silu,
+    )
+    y, new_state = _to_bld(y, layout), _to_bld(new_state, layout)
+    if spec.single_token:
+        y = y[:, 0, :] if layout == "BLD" else y[:, :, 0]
+    return y, new_state
+
+
+def causal_conv1d_varlen(
+    x,
+    weight,
+    bias=None,
+    *,
+    cu_seqlens,
+    activation=None,
+    initial_states=None,
+    return_final_states=False,
+):
+    """Reference causal_conv1d_varlen; same signature and semantics as the kernels' version.
+
+    Each token looks up its sequence i in cu_seqlens; a tap before the sequence start reads
+    initial_states[i] (or 0), tokens outside [cu_seqlens[0], cu_seqlens[N]) give 0.
+    """
+    (x, weight, bias, cu_seqlens, initial_states, return_final_states), spec = check_varlen_args(
+        x, weight, bias, cu_seqlens=cu_seqlens, activation=activation,
+        initial_states=initial_states, return_final_states=return_final_states,
+        fn="reference.causal_conv1d_varlen",
+    )
+    acc = accumulation_dtype(x.dtype)
+    T, D, N, P = spec.tokens, spec.channels, spec.num_seqs, spec.state_len
+    if N == 0:
+        y = jnp.zeros_like(x)
+        return (y, jnp.zeros((0, P, D), x.dtype)) if return_final_states else y
+    xa = x.astype(acc)
+    states = jnp.zeros((N, P, D), acc) if initial_states is None else initial_states.astype(acc)
+
+    def extended(seq, u):
+        """x_u seen from sequence seq: the packed token when inside it, else its initial state."""
+        start = cu_seqlens[seq]
+        from_x = xa[jnp.clip(u, 0, T - 1)]
+        if P == 0:
+            return from_x
+        from_state = states[seq, jnp.clip(u - start + P, 0, P - 1)]
+        return jnp.where((u >= start)[..., None], from_x, from_state)
+
+    t = jnp.arange(T)
+    seq = jnp.searchsorted(cu_seqlens, t, side="right") - 1
+    inside = (seq >= 0) & (seq < N)
+    seq = jnp.clip(seq, 0, N - 1)
+    w = weight.astype(acc)
+    z = jnp.zeros((T, D), acc) if bias is None else jnp.broadcast_to(bias.astype(acc), (T, D))
+    for k in range(spec.width):
+        z = z + extended(seq, t - P + k) * w[:, k]
+    y = z * jax.nn.sigmoid(z) if spec.silu else z
+    y = jnp.where(inside[:, None], y, 0).astype(x.dtype)
+    if not return_final_states:
+        return y
+    ends = cu_seqlens[1:, None] - P + jnp.arange(P)  # (N, P): x_{L-P+j} of each sequence
+    final = extended(jnp.broadcast_to(jnp.arange(N)[:, None], ends.shape), ends)
+    return y, final.astype(x.dtype)
