@@ -187,6 +187,27 @@ def test_layout_matches_single_device(platform, name, with_seq):
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float64],
+                         ids=lambda d: d.__name__)
+def test_other_dtypes(platform, dtype):
+    """Data, sequence and channel sharding at once (sequence only on 2 GPUs), for the other x
+    dtypes (float32 weights)."""
+    axes, x_axes = LAYOUTS["all"] if platform == "cpu" else LAYOUTS["sequence"]
+    # The GPU variant uses the 2-GPU layout that exercises the halo exchange.
+    mesh = make_mesh(platform, axes)
+    rng = np.random.default_rng(8)
+    a = inputs(rng, 4, 32, 8, 4, "BLD", dtype)
+    a["w"], a["b"] = a["w"].astype(jnp.float32), a["b"].astype(jnp.float32)
+    a["q"] = seq_ids(rng, 4, 32, 16)
+    fn = jax.jit(conv_and_vjp("BLD", "silu", True))
+    single = fn(*jax.device_put([a[k] for k in ARGS], mesh.devices.flat[0]))
+    out = fn(*shard(mesh, a, x_axes, "BLD"))
+    for o, r, what in zip(out, single, ("y", "final_state", "dx", "dw", "db", "ds")):
+        assert o.dtype == r.dtype, what
+        assert_close(o, r, o.dtype, what)  # dw and db are float32 like the weights
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
 def test_sequence_shards_of_exactly_state_length(platform):
     """Shards of exactly K-1 steps: the halo is a whole shard; also K=1 (no halo at all)."""
     mesh = make_mesh(platform, {"seq": 2})
