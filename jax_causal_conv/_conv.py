@@ -8,7 +8,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from . import _primitives
+from . import _sharding
 from ._validation import check_conv_args
 from .reference import accumulation_dtype
 
@@ -21,7 +21,7 @@ class _Config(NamedTuple):
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _conv(config: _Config, x, weight, bias, initial_state, seq_idx):
-    return _primitives.forward(x, weight, bias, initial_state, seq_idx, **config._asdict())
+    return _sharding.forward(x, weight, bias, initial_state, seq_idx, **config._asdict())
 
 
 def _conv_fwd(config, x, weight, bias, initial_state, seq_idx):
@@ -33,7 +33,7 @@ def _conv_fwd(config, x, weight, bias, initial_state, seq_idx):
 def _conv_bwd(config, residuals, cotangent):
     x, weight, bias, initial_state, seq_idx = residuals
     dy, dfinal_state = cotangent if config.return_final_state else (cotangent, None)
-    dx, dweight, dbias, dinitial_state = _primitives.backward(
+    dx, dweight, dbias, dinitial_state = _sharding.backward(
         x, weight, bias, initial_state, seq_idx, dy, dfinal_state,
         silu=config.silu, channel_last=config.channel_last,
     )

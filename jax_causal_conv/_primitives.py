@@ -199,15 +199,22 @@ for _prim, _target, _slots, _results, _fallback in (
 
 # ---- batching: fold the vmapped axis into batch rows (and weight groups) ----
 
+def fold_batch(bind, operands, dims):
+    """Runs `bind` once on operands whose vmapped axis (dims; None when unmapped) is folded into
+    the leading axis: batch rows for x-like operands, groups for weight and bias. Every result
+    comes back with the vmapped axis in front."""
+    size = next(o.shape[d] for o, d in zip(operands, dims) if d is not None)
+    folded = []
+    for operand, dim in zip(operands, dims):
+        front = batching.bdim_at_front(operand, dim, size)
+        folded.append(front.reshape((size * front.shape[1],) + front.shape[2:]))
+    outs = bind(*folded)
+    return [o.reshape((size, o.shape[0] // size) + o.shape[1:]) for o in outs], [0] * len(outs)
+
+
 def _batching_rule(prim):
     def rule(operands, dims, **params):
-        size = next(o.shape[d] for o, d in zip(operands, dims) if d is not None)
-        folded = []
-        for operand, dim in zip(operands, dims):
-            front = batching.bdim_at_front(operand, dim, size)
-            folded.append(front.reshape((size * front.shape[1],) + front.shape[2:]))
-        outs = prim.bind(*folded, **params)
-        return [o.reshape((size, o.shape[0] // size) + o.shape[1:]) for o in outs], [0] * len(outs)
+        return fold_batch(partial(prim.bind, **params), operands, dims)
 
     return rule
 
@@ -218,22 +225,34 @@ batching.primitive_batchers[backward_p] = _batching_rule(backward_p)
 
 # ---- binding helpers used by the custom_vjp ----
 
-def forward(x, weight, bias, initial_state, seq_idx, *, silu, channel_last, return_final_state):
-    """y (and the final state) from grouped weight (G, D, K) and bias (G, D)."""
+def _bind(prim, *operands, **params):
+    return prim.bind(*operands, **params)
+
+
+def forward(x, weight, bias, initial_state, seq_idx, *, silu, channel_last, return_final_state,
+            bind=_bind):
+    """y (and the final state) from grouped weight (G, D, K) and bias (G, D).
+
+    `bind(primitive, *operands, **params)` binds the primitive (the sharding module passes its own).
+    """
     operands = [v for v in (x, weight, bias, initial_state, seq_idx) if v is not None]
-    outs = forward_p.bind(
+    outs = bind(
+        forward_p,
         *operands, silu=silu, channel_last=channel_last, has_initial_state=initial_state is not None,
         has_seq_idx=seq_idx is not None, return_final_state=return_final_state,
     )
     return tuple(outs) if return_final_state else outs[0]
 
 
-def backward(x, weight, bias, initial_state, seq_idx, dy, dfinal_state, *, silu, channel_last):
-    """(dx, dweight, dbias, dinitial_state or None) for grouped weight and bias."""
+def backward(x, weight, bias, initial_state, seq_idx, dy, dfinal_state, *, silu, channel_last,
+             bind=_bind):
+    """(dx, dweight, dbias, dinitial_state or None) for grouped weight and bias; `bind` as in
+    forward."""
     operands = [
         v for v in (x, weight, bias, initial_state, seq_idx, dy, dfinal_state) if v is not None
     ]
-    outs = backward_p.bind(
+    outs = bind(
+        backward_p,
         *operands, silu=silu, channel_last=channel_last, has_initial_state=initial_state is not None,
         has_seq_idx=seq_idx is not None, has_dfinal_state=dfinal_state is not None,
     )

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-import jax
+import os
+
+# Eight host devices for the sharding tests; XLA reads the flag once, when jax initializes.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+
+import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)  # the reference runs in float64 (DESIGN.md section 5)
 
