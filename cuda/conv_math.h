@@ -61,16 +61,12 @@ CAUSAL_CONV_HD Point point_at(int64_t i, int64_t length, int64_t channels, bool 
   return channel_last ? Point{b, r / channels, r % channels} : Point{b, r % length, r / length};
 }
 
-CAUSAL_CONV_HD double sigmoid(double z) { return 1.0 / (1.0 + exp(-z)); }
+CAUSAL_CONV_HD float exp_acc(float v) { return expf(v); }
+CAUSAL_CONV_HD double exp_acc(double v) { return exp(v); }
 
-// On the GPU the float sigmoid uses the special-function unit (ex2 and rcp, about 2 ulp): the
-// IEEE expf and division cost more than the memory traffic of the whole conv.
-CAUSAL_CONV_HD float sigmoid(float z) {
-#if defined(__CUDA_ARCH__)
-  return __fdividef(1.0f, 1.0f + __expf(-z));
-#else
-  return 1.0f / (1.0f + expf(-z));
-#endif
+template <typename A>
+CAUSAL_CONV_HD A sigmoid(A z) {
+  return A(1) / (A(1) + exp_acc(-z));
 }
 
 template <typename A>
