@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from ._conv import causal_conv1d
 from ._validation import check_varlen_args
+from .reference import varlen_offsets
 
 
 def causal_conv1d_varlen(
@@ -36,8 +37,10 @@ def causal_conv1d_varlen(
       weight: (D, K), 1 <= K <= 256 (PyTorch ``conv1d.weight[:, 0, :]`` order); any float dtype.
       bias: optional (D,), any float dtype.
       cu_seqlens: int32 (N+1,) offsets: sequence i is ``x[cu_seqlens[i]:cu_seqlens[i+1]]``.
-        Must be non-decreasing with ``cu_seqlens[N] <= T``; empty sequences are allowed. Tokens
-        before cu_seqlens[0] or at or past cu_seqlens[N] are padding: their y is 0.
+        Non-decreasing with ``cu_seqlens[N] <= T``; empty sequences are allowed. Tokens
+        before cu_seqlens[0] or at or past cu_seqlens[N] are padding: their y is 0. Other values
+        are read as their running maximum clipped to [0, T] (``reference.varlen_offsets``): a
+        decreasing offset ends an empty sequence, a sequence past T is cut off at T.
       activation: None, ``"silu"`` or ``"swish"``.
       initial_states: optional (N, K-1, D) in x's dtype, one state per sequence (oldest first).
       return_final_states: also return the (N, K-1, D) final states (the last K-1 inputs of each
@@ -54,6 +57,8 @@ def causal_conv1d_varlen(
         initial_states=initial_states, return_final_states=return_final_states,
     )
     T, D, N, P = spec.tokens, spec.channels, spec.num_seqs, spec.state_len
+    # Every gather and scatter index below is then in range and distinct.
+    cu_seqlens = varlen_offsets(cu_seqlens, T)
     t = jnp.arange(T, dtype=jnp.int32)
     starts_so_far = jnp.searchsorted(cu_seqlens, t, side="right").astype(jnp.int32)
     token_seq = jnp.where((starts_so_far >= 1) & (starts_so_far <= N), starts_so_far - 1, -1)

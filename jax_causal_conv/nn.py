@@ -6,15 +6,17 @@ first used.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ._conv import causal_conv1d
 from ._update import causal_conv1d_update
-from ._validation import MAX_WIDTH, check_activation
+from ._validation import MAX_WIDTH, X_DTYPES, _array, check_activation, check_flag
 
 Initializer = Callable[..., jax.Array]
 
@@ -30,6 +32,30 @@ def _set(variable: nnx.Variable, value: jax.Array) -> None:
         variable.set_value(value)
     else:
         variable.value = value
+
+
+def _int(value: Any, name: str, low: int, high: Optional[int] = None) -> int:
+    """A Python or NumPy integer (not a bool) in [low, high], as an int."""
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+    if not ok or value < low or (high is not None and value > high):
+        bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"CausalConv1d: `{name}` must be an int {bounds}, got {value!r}")
+    return int(value)
+
+
+def _float_dtype(value: Any, name: str, allowed=None):
+    """`value` as a NumPy dtype when it is a floating dtype (one of `allowed`, when given)."""
+    try:
+        dtype = np.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or not (
+        any(dtype == np.dtype(d) for d in allowed) if allowed else jnp.issubdtype(dtype, jnp.floating)
+    ):
+        expected = ", ".join(np.dtype(d).name for d in allowed) if allowed else "a floating dtype"
+        got = dtype.name if dtype is not None else repr(value)
+        raise TypeError(f"CausalConv1d: `{name}` must be {expected}, got {got}")
+    return dtype
 
 
 # PyTorch's default for a depthwise conv1d: U(-1/sqrt(K), 1/sqrt(K)), fan-in = kernel_size.
@@ -82,13 +108,13 @@ class CausalConv1d(nnx.Module):
         bias_init: Initializer = nnx.initializers.zeros_init(),
         rngs: nnx.Rngs,
     ):
-        if not isinstance(features, int) or features < 1:
-            raise ValueError(f"CausalConv1d: `features` must be a positive int, got {features!r}")
-        if not isinstance(kernel_size, int) or not 1 <= kernel_size <= MAX_WIDTH:
-            raise ValueError(
-                f"CausalConv1d: `kernel_size` must be an int in [1, {MAX_WIDTH}], got {kernel_size!r}"
-            )
+        features = _int(features, "features", 1)
+        kernel_size = _int(kernel_size, "kernel_size", 1, MAX_WIDTH)
+        use_bias = check_flag(use_bias, "use_bias", "CausalConv1d")
         check_activation(activation, "CausalConv1d")
+        if dtype is not None:
+            _float_dtype(dtype, "dtype", X_DTYPES)
+        _float_dtype(param_dtype, "param_dtype")
         self.features = features
         self.kernel_size = kernel_size
         self.use_bias = use_bias
@@ -107,7 +133,8 @@ class CausalConv1d(nnx.Module):
         dtype must be the dtype the decoded x has after the layer's ``dtype`` cast (default: the
         layer's ``dtype``, else float32).
         """
-        dtype = dtype or self.dtype or jnp.float32
+        batch_size = _int(batch_size, "batch_size", 0)
+        dtype = _float_dtype(dtype or self.dtype or jnp.float32, "dtype", X_DTYPES)
         self.conv_state = nnx.Cache(jnp.zeros((batch_size, self.kernel_size - 1, self.features), dtype))
 
     def __call__(
@@ -131,8 +158,14 @@ class CausalConv1d(nnx.Module):
           y with x's shape (in ``dtype`` when set), or ``(y, final_state)`` with
           ``return_final_state``.
         """
+        x = _array(x, "x", "CausalConv1d")
         if self.dtype is not None:
             x = jnp.asarray(x, self.dtype)
+        if x.ndim >= 1 and x.shape[-1] != self.features:
+            raise ValueError(
+                f"CausalConv1d: `x` must have features={self.features} in its last axis, got shape "
+                f"{tuple(x.shape)}"
+            )
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         if not decode:
@@ -144,10 +177,20 @@ class CausalConv1d(nnx.Module):
             raise ValueError("CausalConv1d: call init_cache(batch_size) before decode=True")
         if seq_idx is not None or initial_state is not None or return_final_state:
             raise ValueError(
-                "CausalConv1d: seq_idx, initial_state and return_final_state are not used with "
-                "decode=True (the state is the cache)"
+                "CausalConv1d: `seq_idx`, `initial_state` and `return_final_state` are not used "
+                "with decode=True (the state is the cache)"
             )
         state = self.conv_state[...]
+        if x.ndim >= 2 and x.shape[0] != state.shape[0]:
+            raise ValueError(
+                f"CausalConv1d: `x` has batch {x.shape[0]} but the decode cache holds "
+                f"{state.shape[0]} rows; call init_cache({x.shape[0]})"
+            )
+        if x.dtype != state.dtype:
+            raise TypeError(
+                f"CausalConv1d: `x` has dtype {x.dtype} (after the layer's dtype cast) but the decode "
+                f"cache holds {state.dtype}; pass that dtype to init_cache"
+            )
         if x.ndim == 3 and x.shape[1] > 1:
             y, new_state = causal_conv1d(
                 x, kernel, bias, activation=self.activation, initial_state=state,

@@ -18,6 +18,23 @@ def accumulation_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
 
 
+@jax.custom_jvp
+def _silu(z):
+    """z * sigmoid(z), differentiated with DESIGN.md's silu'(z) = s * (1 + z * (1 - s)).
+
+    One factor, as in the kernels: JAX's own derivative of z * sigmoid(z) is a sum of two
+    products, which turns an infinite cotangent into inf - inf = NaN where the kernels give +-inf.
+    """
+    return z * jax.nn.sigmoid(z)
+
+
+@_silu.defjvp
+def _silu_jvp(primals, tangents):
+    (z,), (dz,) = primals, tangents
+    s = jax.nn.sigmoid(z)
+    return z * s, dz * (s * (1 + z * (1 - s)))
+
+
 def _to_bld(a, layout):
     return a if layout == "BLD" else jnp.swapaxes(a, 1, 2)
 
@@ -55,13 +72,16 @@ def causal_conv1d(
         z = z + bias.astype(acc)
     for k in range(spec.width):
         tap = x_ext[:, k : k + L, :]
-        if seq_idx is not None:
-            used = (seq_idx >= 0) & (seg_ext[:, k : k + L] == seq_idx)
-            tap = jnp.where(used[..., None], tap, 0)
-        z = z + tap * w[:, k]
-    y = z * jax.nn.sigmoid(z) if spec.silu else z
+        if seq_idx is None:
+            z = z + tap * w[:, k]
+        else:
+            # An unused tap contributes nothing: the input and the product are both masked, so
+            # that neither a NaN/Inf input nor an infinite weight (0 * Inf) reaches z or a gradient.
+            used = ((seq_idx >= 0) & (seg_ext[:, k : k + L] == seq_idx))[..., None]
+            z = z + jnp.where(used, jnp.where(used, tap, 0) * w[:, k], 0)
     if seq_idx is not None:
-        y = jnp.where((seq_idx >= 0)[..., None], y, 0)
+        z = jnp.where((seq_idx >= 0)[..., None], z, 0)  # padding: y = act(0) = 0, no bias, no gradient
+    y = _silu(z) if spec.silu else z
     y = _to_bld(y.astype(x.dtype), layout)
     if not return_final_state:
         return y
@@ -88,7 +108,12 @@ def update_rows(x, conv_state, weight, bias, cache_seqlens, state_indices, *, si
         rows = conv_state
     else:
         valid = (state_indices >= 0) & (state_indices < pool)
-        rows = conv_state[jnp.where(valid, state_indices, 0)]
+        if pool > 0:
+            # Padding rows read zeros, not row 0: a NaN in an unrelated pool row must not reach
+            # their (discarded) outputs, where it would turn into NaN gradients.
+            rows = jnp.where(valid[:, None, None], conv_state[jnp.where(valid, state_indices, 0)], 0)
+        else:
+            rows = jnp.zeros((batch,) + conv_state.shape[1:], conv_state.dtype)
     if cache_seqlens is None:
         ext = jnp.concatenate([rows, x], axis=1)  # ext[:, S + u] = x_u, u counted from the first new token
         window = ext[:, S - P :]
@@ -96,14 +121,16 @@ def update_rows(x, conv_state, weight, bias, cache_seqlens, state_indices, *, si
     else:
         start = cache_seqlens[:, None]
         if S > 0:
-            history = start + jnp.arange(-P, 0)  # absolute positions c-P .. c-1
-            past = jnp.take_along_axis(rows, jnp.mod(history, S)[..., None], axis=1)
-            past = jnp.where((history >= 0)[..., None], past, 0)
-            # Slot s ends up holding the latest written position p = c+T-1 - ((c+T-1-s) mod S), if p >= c.
-            last = start + tokens - 1
-            position = last - jnp.mod(last - jnp.arange(S), S)
-            written = jnp.take_along_axis(x, jnp.clip(position - start, 0, tokens - 1)[..., None], axis=1)
-            new_rows = jnp.where((position >= start)[..., None], written, rows)
+            # Slots come from start mod S, so no absolute position is formed: any int32
+            # cache_seqlens works without overflow, as in the kernels' 64-bit arithmetic.
+            base = jnp.mod(start, S)
+            back = jnp.arange(P, 0, -1)  # history position c - back, oldest first
+            past = jnp.take_along_axis(rows, jnp.mod(base - back, S)[..., None], axis=1)
+            past = jnp.where((start >= back)[..., None], past, 0)  # positions < 0 read as 0
+            # After the step, slot s holds token T-1 - ((c+T-1-s) mod S) of x, if that is >= 0.
+            token = tokens - 1 - jnp.mod(base + tokens - 1 - jnp.arange(S), S)
+            written = jnp.take_along_axis(x, jnp.clip(token, 0, tokens - 1)[..., None], axis=1)
+            new_rows = jnp.where((token >= 0)[..., None], written, rows)
         else:
             past, new_rows = rows, rows
         window = jnp.concatenate([past, x], axis=1)
@@ -111,7 +138,7 @@ def update_rows(x, conv_state, weight, bias, cache_seqlens, state_indices, *, si
     z = bias[:, None, :]
     for k in range(P + 1):
         z = z + window[:, k : k + tokens, :] * weight[:, None, :, k]
-    y = z * jax.nn.sigmoid(z) if silu else z
+    y = _silu(z) if silu else z
     y = jnp.where(valid[:, None, None], y, 0).astype(x.dtype)
     if state_indices is None:
         return y, new_rows
@@ -149,6 +176,16 @@ def causal_conv1d_update(
     return y, new_state
 
 
+def varlen_offsets(cu_seqlens, tokens: int):
+    """The sequence offsets causal_conv1d_varlen uses: cu_seqlens made non-decreasing (running
+    maximum) and clipped to [0, tokens].
+
+    Valid offsets are unchanged. Values no trace-time check can see get a defined meaning: an
+    offset below its predecessor ends an empty sequence, and a sequence is cut off at the end of x.
+    """
+    return jnp.clip(jax.lax.cummax(cu_seqlens, axis=0), 0, tokens)
+
+
 def causal_conv1d_varlen(
     x,
     weight,
@@ -162,7 +199,8 @@ def causal_conv1d_varlen(
     """Reference causal_conv1d_varlen; same signature and semantics as the kernels' version.
 
     Each token looks up its sequence i in cu_seqlens; a tap before the sequence start reads
-    initial_states[i] (or 0), tokens outside [cu_seqlens[0], cu_seqlens[N]) give 0.
+    initial_states[i] (or 0), tokens outside [cu_seqlens[0], cu_seqlens[N]) give 0. cu_seqlens
+    is read as ``varlen_offsets(cu_seqlens, T)`` (non-decreasing, within [0, T]).
     """
     (x, weight, bias, cu_seqlens, initial_states, return_final_states), spec = check_varlen_args(
         x, weight, bias, cu_seqlens=cu_seqlens, activation=activation,
@@ -174,6 +212,7 @@ def causal_conv1d_varlen(
     if N == 0:
         y = jnp.zeros_like(x)
         return (y, jnp.zeros((0, P, D), x.dtype)) if return_final_states else y
+    cu_seqlens = varlen_offsets(cu_seqlens, T)
     xa = x.astype(acc)
     states = jnp.zeros((N, P, D), acc) if initial_states is None else initial_states.astype(acc)
 
@@ -192,9 +231,12 @@ def causal_conv1d_varlen(
     seq = jnp.clip(seq, 0, N - 1)
     w = weight.astype(acc)
     z = jnp.zeros((T, D), acc) if bias is None else jnp.broadcast_to(bias.astype(acc), (T, D))
-    for k in range(spec.width):
-        z = z + extended(seq, t - P + k) * w[:, k]
-    y = z * jax.nn.sigmoid(z) if spec.silu else z
+    # taps[k, t] = x_{t-P+k} seen from t's sequence, all K taps in one gather. Padding tokens
+    # read nothing: a NaN there would otherwise reach dw through 0 * NaN.
+    taps = extended(seq[None, :], t[None, :] - P + jnp.arange(spec.width)[:, None])
+    taps = jnp.where(inside[None, :, None], taps, 0)
+    z = z + jnp.einsum("ktd,dk->td", taps, w)
+    y = _silu(z) if spec.silu else z
     y = jnp.where(inside[:, None], y, 0).astype(x.dtype)
     if not return_final_states:
         return y
