@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "conv_math.h"
@@ -63,6 +64,16 @@ struct alignas(16) Pack {
   T v[kSize];
 };
 
+// A 16-byte load through the read-only path: inputs are never written during a kernel, and the
+// non-coherent load lets the compiler issue the next steps' loads before this step's stores.
+template <typename T>
+__device__ __forceinline__ Pack<T> load_pack_raw(const T* src) {
+  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src));
+  Pack<T> pack;
+  memcpy(&pack, &raw, sizeof raw);
+  return pack;
+}
+
 // Time steps per thread in the channel-last forward: the K-1 halo rows it re-reads come from L2.
 constexpr int64_t kForwardTimeChunk = 32;
 
@@ -80,7 +91,7 @@ __device__ __forceinline__ void load_pack(const Conv<T, A, K>& conv, int64_t b, 
     for (int v = 0; v < Pack<T>::kSize; ++v) out[v] = A(0);
     return;
   }
-  const Pack<T> pack = *reinterpret_cast<const Pack<T>*>(src);
+  const Pack<T> pack = load_pack_raw(src);
   for (int v = 0; v < Pack<T>::kSize; ++v) out[v] = to_acc<A>(pack.v[v]);
 }
 
@@ -112,6 +123,7 @@ __global__ void __launch_bounds__(kThreads) forward_channel_last_kernel(ConvPara
       load_pack(conv, b, t0 - P + k, d0, window[k]);
       if (p.seq_idx != nullptr) segment[k] = conv.segment(b, t0 - P + k);
     }
+#pragma unroll 4
     for (int64_t t = t0; t < t1; ++t) {
       load_pack(conv, b, t, d0, window[P]);
       if (p.seq_idx != nullptr) segment[P] = conv.segment(b, t);
@@ -152,8 +164,7 @@ __global__ void __launch_bounds__(kThreads) forward_channel_first_kernel(ConvPar
     A xs[P + V];  // xs[j] = x_{t0-P+j}
     int32_t segment[P + V] = {};
     for (int j = 0; j < P; ++j) xs[j] = conv.input(b, t0 - P + j, d);
-    const Pack<T> in = *reinterpret_cast<const Pack<T>*>(static_cast<const T*>(p.x) +
-                                                         offset(p.x_strides, b, t0, d));
+    const Pack<T> in = load_pack_raw(static_cast<const T*>(p.x) + offset(p.x_strides, b, t0, d));
     for (int v = 0; v < V; ++v) xs[P + v] = to_acc<A>(in.v[v]);
     if (p.seq_idx != nullptr) {
       for (int j = 0; j < P + V; ++j) segment[j] = conv.segment(b, t0 - P + j);
@@ -266,7 +277,7 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T, typename A>
 __device__ __forceinline__ void load_pack_at(const void* base, int64_t element,
                                              A (&out)[Pack<T>::kSize]) {
-  const Pack<T> pack = *reinterpret_cast<const Pack<T>*>(static_cast<const T*>(base) + element);
+  const Pack<T> pack = load_pack_raw(static_cast<const T*>(base) + element);
   for (int v = 0; v < Pack<T>::kSize; ++v) out[v] = to_acc<A>(pack.v[v]);
 }
 
@@ -316,6 +327,7 @@ __global__ void __launch_bounds__(kThreads)
       if (masked) segment[k] = conv.segment(b, t0 - P + k);
       for (int v = 0; v < V; ++v) delta[k][v] = A(0);
     }
+#pragma unroll 2
     for (int64_t s = t0; s < t1 + P; ++s) {
       const bool live = s < p.length;
       A dy[V];
@@ -480,26 +492,45 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Sums the partials of each weight group in a fixed order (rows, then tiles).
+// Sums the partials of each weight group in a fixed order. A block owns 32 consecutive
+// (channel, k) columns of one group; its thread (column c, lane l) adds slices l, l + 8, ... of
+// column c, and lane 0 then adds the 8 lane sums in order. No atomics: bitwise deterministic.
+constexpr int kReduceColumns = 32;
+constexpr int kReduceLanes = kThreads / kReduceColumns;
+
 template <typename A>
-__global__ void reduce_partials_kernel(const A* partials, int64_t groups, int64_t rows_per_group,
-                                       int64_t tiles, int64_t channels, int64_t width,
-                                       A* dweight, A* dbias) {
+__global__ void __launch_bounds__(kThreads)
+    reduce_partials_kernel(const A* partials, int64_t groups, int64_t rows_per_group,
+                           int64_t slices, int64_t channels, int64_t width, A* dweight,
+                           A* dbias) {
+  __shared__ A lane_sums[kReduceLanes][kReduceColumns];
   const int64_t per_group = channels * (width + 1);
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < groups * per_group;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t g = i / per_group, j = i % per_group;
-    const int64_t d = j / (width + 1), k = j % (width + 1);
+  const int64_t column_blocks = (per_group + kReduceColumns - 1) / kReduceColumns;
+  const int column = threadIdx.x % kReduceColumns, lane = threadIdx.x / kReduceColumns;
+  const int64_t count = rows_per_group * slices;
+  for (int64_t block = blockIdx.x; block < groups * column_blocks; block += gridDim.x) {
+    const int64_t g = block / column_blocks;
+    const int64_t j = (block % column_blocks) * kReduceColumns + column;
     A sum = A(0);
-    for (int64_t slice = g * rows_per_group * tiles; slice < (g + 1) * rows_per_group * tiles;
-         ++slice) {
-      sum += partials[slice * per_group + j];
+    if (j < per_group) {
+      const A* first = partials + g * count * per_group + j;
+      for (int64_t slice = lane; slice < count; slice += kReduceLanes) {
+        sum += first[slice * per_group];
+      }
     }
-    if (k == width) {
-      dbias[g * channels + d] = sum;
-    } else {
-      dweight[(g * channels + d) * width + k] = sum;
+    lane_sums[lane][column] = sum;
+    __syncthreads();
+    if (lane == 0 && j < per_group) {
+      A total = A(0);
+      for (int l = 0; l < kReduceLanes; ++l) total += lane_sums[l][column];
+      const int64_t d = j / (width + 1), k = j % (width + 1);
+      if (k == width) {
+        dbias[g * channels + d] = total;
+      } else {
+        dweight[(g * channels + d) * width + k] = total;
+      }
     }
+    __syncthreads();
   }
 }
 
@@ -593,7 +624,9 @@ ffi::Error launch_backward(cudaStream_t stream, const ConvParams& p, A* dweight,
       return err;
     }
   }
-  reduce_partials_kernel<A><<<grid_for(p.groups * per_slice), kThreads, 0, stream>>>(
+  const int64_t reduce_blocks =
+      std::min(kMaxGridBlocks, p.groups * ((per_slice + kReduceColumns - 1) / kReduceColumns));
+  reduce_partials_kernel<A><<<std::max<int64_t>(reduce_blocks, 1), kThreads, 0, stream>>>(
       partials, p.groups, p.batch / p.groups, slices, p.channels, p.width, dweight, dbias);
   return last_cuda_error("reduce kernel");
 }
