@@ -17,6 +17,7 @@
 #include <string>
 
 #include "conv_math.h"
+#include "cuda_vector.cuh"
 #include "ffi_common.h"
 
 namespace causal_conv {
@@ -38,13 +39,6 @@ int64_t grid_for(int64_t points) {
   return std::max<int64_t>(1, std::min(kMaxGridBlocks, (points + kThreads - 1) / kThreads));
 }
 
-ffi::Error last_cuda_error(const char* where) {
-  const cudaError_t err = cudaGetLastError();
-  if (err == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string("jax_causal_conv: ") + where + ": " +
-                              cudaGetErrorString(err));
-}
-
 template <typename T, typename A, int kWidth>
 __global__ void forward_kernel(ConvParams p) {
   const Conv<T, A, kWidth> conv{p};
@@ -58,28 +52,16 @@ __global__ void forward_kernel(ConvParams p) {
 
 // ---- vectorized forward for compile-time widths: 16-byte loads and stores ----
 
+// 16 bytes of T: one load or store instruction.
 template <typename T>
-struct alignas(16) Pack {
-  static constexpr int kSize = 16 / sizeof(T);
-  T v[kSize];
-};
-
-// A 16-byte load through the read-only path: inputs are never written during a kernel, and the
-// non-coherent load lets the compiler issue the next steps' loads before this step's stores.
-template <typename T>
-__device__ __forceinline__ Pack<T> load_pack_raw(const T* src) {
-  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src));
-  Pack<T> pack;
-  memcpy(&pack, &raw, sizeof raw);
-  return pack;
-}
+using Pack = Vec<T, kPack<T>>;
 
 // Time steps per thread in the channel-last forward: the K-1 halo rows it re-reads come from L2.
 constexpr int64_t kForwardTimeChunk = 32;
 
 template <typename T, typename A, int K>
 __device__ __forceinline__ void load_pack(const Conv<T, A, K>& conv, int64_t b, int64_t u,
-                                          int64_t d0, A (&out)[Pack<T>::kSize]) {
+                                          int64_t d0, A (&out)[kPack<T>]) {
   const ConvParams& p = conv.p;
   const T* src = nullptr;
   if (u >= 0) {
@@ -88,18 +70,18 @@ __device__ __forceinline__ void load_pack(const Conv<T, A, K>& conv, int64_t b, 
     src = static_cast<const T*>(p.initial_state) + offset(p.state_strides, b, u + K - 1, d0);
   }
   if (src == nullptr) {
-    for (int v = 0; v < Pack<T>::kSize; ++v) out[v] = A(0);
+    for (int v = 0; v < kPack<T>; ++v) out[v] = A(0);
     return;
   }
-  const Pack<T> pack = load_pack_raw(src);
-  for (int v = 0; v < Pack<T>::kSize; ++v) out[v] = to_acc<A>(pack.v[v]);
+  const Pack<T> pack = load_readonly<T, kPack<T>>(src);
+  for (int v = 0; v < kPack<T>; ++v) out[v] = to_acc<A>(pack.v[v]);
 }
 
 // (B, L, D), D a multiple of the pack: a thread owns one pack of channels over a chunk of time
 // and slides a K-row register window down it.
 template <typename T, typename A, int K>
 __global__ void __launch_bounds__(kThreads) forward_channel_last_kernel(ConvParams p) {
-  constexpr int V = Pack<T>::kSize;
+  constexpr int V = kPack<T>;
   constexpr int P = K - 1;
   const Conv<T, A, K> conv{p};
   const int64_t packs = p.channels / V;
@@ -150,7 +132,7 @@ __global__ void __launch_bounds__(kThreads) forward_channel_last_kernel(ConvPara
 // channel; the K-1 inputs before it are scalar loads that hit the neighbouring lane's lines in L1.
 template <typename T, typename A, int K>
 __global__ void __launch_bounds__(kThreads) forward_channel_first_kernel(ConvParams p) {
-  constexpr int V = Pack<T>::kSize;
+  constexpr int V = kPack<T>;
   constexpr int P = K - 1;
   const Conv<T, A, K> conv{p};
   const int64_t packs = p.length / V;
@@ -164,7 +146,7 @@ __global__ void __launch_bounds__(kThreads) forward_channel_first_kernel(ConvPar
     A xs[P + V];  // xs[j] = x_{t0-P+j}
     int32_t segment[P + V] = {};
     for (int j = 0; j < P; ++j) xs[j] = conv.input(b, t0 - P + j, d);
-    const Pack<T> in = load_pack_raw(static_cast<const T*>(p.x) + offset(p.x_strides, b, t0, d));
+    const Pack<T> in = load_readonly<T, kPack<T>>(static_cast<const T*>(p.x) + offset(p.x_strides, b, t0, d));
     for (int v = 0; v < V; ++v) xs[P + v] = to_acc<A>(in.v[v]);
     if (p.seq_idx != nullptr) {
       for (int j = 0; j < P + V; ++j) segment[j] = conv.segment(b, t0 - P + j);
@@ -183,13 +165,11 @@ __global__ void __launch_bounds__(kThreads) forward_channel_first_kernel(ConvPar
   }
 }
 
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
-
 // Whether the vectorized forward applies: a compile-time width, packs that tile the contiguous
 // dimension, and 16-byte aligned buffers.
 template <typename T>
 bool vector_forward_applies(const ConvParams& p, int width) {
-  constexpr int V = Pack<T>::kSize;
+  constexpr int V = kPack<T>;
   const int64_t contiguous = p.channel_last ? p.channels : p.length;
   return width > 0 && contiguous % V == 0 && aligned16(p.x) && aligned16(p.y) &&
          (p.initial_state == nullptr || aligned16(p.initial_state));
@@ -276,16 +256,16 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename T, typename A>
 __device__ __forceinline__ void load_pack_at(const void* base, int64_t element,
-                                             A (&out)[Pack<T>::kSize]) {
-  const Pack<T> pack = load_pack_raw(static_cast<const T*>(base) + element);
-  for (int v = 0; v < Pack<T>::kSize; ++v) out[v] = to_acc<A>(pack.v[v]);
+                                             A (&out)[kPack<T>]) {
+  const Pack<T> pack = load_readonly<T, kPack<T>>(static_cast<const T*>(base) + element);
+  for (int v = 0; v < kPack<T>; ++v) out[v] = to_acc<A>(pack.v[v]);
 }
 
 template <typename T, typename A>
 __device__ __forceinline__ void store_pack_at(void* base, int64_t element,
-                                              const A (&values)[Pack<T>::kSize]) {
+                                              const A (&values)[kPack<T>]) {
   Pack<T> pack;
-  for (int v = 0; v < Pack<T>::kSize; ++v) pack.v[v] = from_acc<T>(values[v]);
+  for (int v = 0; v < kPack<T>; ++v) pack.v[v] = from_acc<T>(values[v]);
   *reinterpret_cast<Pack<T>*>(static_cast<T*>(base) + element) = pack;
 }
 
@@ -297,7 +277,7 @@ __device__ __forceinline__ void store_pack_at(void* base, int64_t element,
 template <typename T, typename A, int K>
 __global__ void __launch_bounds__(kThreads)
     backward_channel_last_kernel(ConvParams p, A* partials, int64_t tiles) {
-  constexpr int V = Pack<T>::kSize;
+  constexpr int V = kPack<T>;
   constexpr int P = K - 1;
   const Conv<T, A, K> conv{p};
   const bool masked = p.seq_idx != nullptr;
@@ -362,7 +342,10 @@ __global__ void __launch_bounds__(kThreads)
         for (int v = 0; v < V; ++v) {
           A acc = A(0);
           for (int k = 0; k < K; ++k) {
-            const bool used = !masked || same_segment(segment[P - k], segment[0]);
+            // Skipped, not multiplied by a zero delta, outside [0, L): a non-finite tap must
+            // reach dx only through outputs that exist, as in the reference.
+            const bool exists = s - k >= 0 && s - k < p.length;
+            const bool used = exists && (!masked || same_segment(segment[P - k], segment[0]));
             acc += used ? w[k][v] * delta[P - k][v] : A(0);
           }
           g[v] = acc;
@@ -395,7 +378,7 @@ __global__ void __launch_bounds__(kThreads)
 // Time steps covered by one warp of the channel-first backward (32 packs of one channel row).
 template <typename T>
 constexpr int64_t channel_first_group_len() {
-  return 32 * Pack<T>::kSize;
+  return 32 * kPack<T>;
 }
 
 // (B, D, L), L a multiple of the pack. A warp owns 32 consecutive packs of one (b, d) row, a
@@ -405,7 +388,7 @@ constexpr int64_t channel_first_group_len() {
 template <typename T, typename A, int K>
 __global__ void __launch_bounds__(kThreads)
     backward_channel_first_kernel(ConvParams p, A* partials, int64_t groups) {
-  constexpr int V = Pack<T>::kSize;
+  constexpr int V = kPack<T>;
   constexpr int P = K - 1;
   constexpr int kLanes = 32;
   const Conv<T, A, K> conv{p};
@@ -466,7 +449,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int j = 0; j < V; ++j) {
         A acc = A(0);
         for (int k = 0; k < K; ++k) {  // output time t0 + j + P - k, delta index j + P - k
-          if (j + P - k >= V + P) continue;
+          if (j + P - k >= V + P || t0 + j + P - k >= p.length) continue;  // no such output
           const bool used = !masked || same_segment(segment[2 * P + j - k], segment[P + j]);
           acc += used ? w[k] * delta[j + P - k] : A(0);
         }
@@ -541,7 +524,7 @@ ffi::Error launch_output(cudaStream_t stream, const ConvParams& p) {
   if (points == 0) return ffi::Error::Success();
   if constexpr (kWidth > 0) {
     if (vector_forward_applies<T>(p, kWidth)) {
-      constexpr int64_t V = Pack<T>::kSize;
+      constexpr int64_t V = kPack<T>;
       if (p.channel_last) {
         const int64_t chunks = (p.length + kForwardTimeChunk - 1) / kForwardTimeChunk;
         forward_channel_last_kernel<T, A, kWidth>
@@ -549,11 +532,11 @@ ffi::Error launch_output(cudaStream_t stream, const ConvParams& p) {
       } else {
         forward_channel_first_kernel<T, A, kWidth><<<grid_for(points / V), kThreads, 0, stream>>>(p);
       }
-      return last_cuda_error("vectorized forward kernel");
+      return cuda_status("vectorized forward kernel");
     }
   }
   forward_kernel<T, A, kWidth><<<grid_for(points), kThreads, 0, stream>>>(p);
-  return last_cuda_error("forward kernel");
+  return cuda_status("forward kernel");
 }
 
 template <typename T, typename A, int kWidth>
@@ -562,7 +545,7 @@ ffi::Error launch_forward(cudaStream_t stream, const ConvParams& p) {
   const int64_t state_points = p.batch * (p.width - 1) * p.channels;
   if (p.final_state != nullptr && state_points > 0) {
     final_state_kernel<T, A, kWidth><<<grid_for(state_points), kThreads, 0, stream>>>(p);
-    return last_cuda_error("final state kernel");
+    return cuda_status("final state kernel");
   }
   return ffi::Error::Success();
 }
@@ -581,7 +564,7 @@ ffi::Error launch_backward_partials(cudaStream_t stream, const ConvParams& p, A*
                                     int64_t& slices) {
   if constexpr (kWidth > 0) {
     if (vector_backward_applies<T>(p, kWidth)) {
-      constexpr int64_t V = Pack<T>::kSize;
+      constexpr int64_t V = kPack<T>;
       if (p.channel_last) {
         slices = tile_count(p.length);
         backward_channel_last_kernel<T, A, kWidth>
@@ -593,7 +576,7 @@ ffi::Error launch_backward_partials(cudaStream_t stream, const ConvParams& p, A*
             <<<grid_for(p.batch * p.channels * slices * 32), kThreads, 0, stream>>>(p, partials,
                                                                                     slices);
       }
-      return last_cuda_error("vectorized backward kernel");
+      return cuda_status("vectorized backward kernel");
     }
   }
   constexpr int64_t DC = tile_channels<A>();
@@ -606,7 +589,7 @@ ffi::Error launch_backward_partials(cudaStream_t stream, const ConvParams& p, A*
   const dim3 grid(static_cast<unsigned>(slices), static_cast<unsigned>(chunks),
                   static_cast<unsigned>(p.batch));
   backward_tile_kernel<T, A, kWidth><<<grid, kThreads, shared_bytes, stream>>>(p, partials, slices);
-  return last_cuda_error("backward tile kernel");
+  return cuda_status("backward tile kernel");
 }
 
 template <typename T, typename A, int kWidth>
@@ -628,7 +611,7 @@ ffi::Error launch_backward(cudaStream_t stream, const ConvParams& p, A* dweight,
       std::min(kMaxGridBlocks, p.groups * ((per_slice + kReduceColumns - 1) / kReduceColumns));
   reduce_partials_kernel<A><<<std::max<int64_t>(reduce_blocks, 1), kThreads, 0, stream>>>(
       partials, p.groups, p.batch / p.groups, slices, p.channels, p.width, dweight, dbias);
-  return last_cuda_error("reduce kernel");
+  return cuda_status("reduce kernel");
 }
 
 ffi::Error forward_handler(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight,
@@ -693,7 +676,9 @@ int64_t backward_workspace_elements(int64_t batch, int64_t length, int64_t chann
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     CausalConv1dForwardCuda, causal_conv::forward_handler,
-    causal_conv::bind_forward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));
+    causal_conv::bind_forward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     CausalConv1dBackwardCuda, causal_conv::backward_handler,
-    causal_conv::bind_backward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));
+    causal_conv::bind_backward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,6 +1,10 @@
-// The causal_conv1d_update CUDA kernel and its XLA FFI handler. One thread owns one (batch row,
-// channel) and runs update_math.h on it: a decode step has batch * channels independent pieces
-// of work, and neighbouring threads take neighbouring channels.
+// The causal_conv1d_update CUDA kernels and their XLA FFI handler. A decode step has batch *
+// channels independent pieces of work; neighbouring threads take neighbouring channels.
+//
+// The common step (one token, a K-1 slot state, compile-time K) has its own kernel: a thread owns
+// a vector of channels, loads the token, its history and the weights before it writes anything,
+// then writes y and the state. The generic kernel runs update_math.h one channel at a time, whose
+// in-place state shift alternates loads and stores, so each state slot costs a memory round trip.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -8,6 +12,7 @@
 #include <algorithm>
 #include <string>
 
+#include "cuda_vector.cuh"
 #include "ffi_common.h"
 #include "update_math.h"
 
@@ -16,13 +21,6 @@ namespace {
 
 constexpr int kUpdateThreads = 256;
 constexpr int64_t kUpdateMaxBlocks = int64_t{1} << 20;
-
-ffi::Error update_cuda_error(const char* where) {
-  const cudaError_t err = cudaGetLastError();
-  if (err == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string("jax_causal_conv: ") + where + ": " +
-                              cudaGetErrorString(err));
-}
 
 template <typename T, typename A, int kWidth>
 __global__ void update_kernel(UpdateParams p) {
@@ -34,14 +32,73 @@ __global__ void update_kernel(UpdateParams p) {
   }
 }
 
+// One token per row, state_len == K - 1 (shift or ring mode): V channels per thread.
+template <typename T, typename A, int K, int V>
+__global__ void __launch_bounds__(kUpdateThreads) update_token_kernel(UpdateParams p) {
+  constexpr int P = K - 1;
+  const Update<T, A, K> op{p};
+  const int64_t vectors = p.channels / V;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < p.batch * vectors;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t d0 = (i % vectors) * V, b = i / vectors;
+    const int64_t row = op.pool_row(b);
+    T* y = &static_cast<T*>(p.y)[offset(p.x_strides, b, 0, d0)];
+    if (row < 0) {
+      store_vec(y, zero_vec<T, V>());
+      continue;
+    }
+    // Plain loads, not read-only ones: this kernel writes the state it reads.
+    const Vec<T, V> token = *reinterpret_cast<const Vec<T, V>*>(&op.x_at(b, 0, d0));
+    const int64_t next = p.cache_seqlens ? int64_t{p.cache_seqlens[b]} : P;
+    Vec<T, V> history[P];  // x_{-P} .. x_{-1}
+    for (int j = 0; j < P; ++j) {
+      const int64_t position = next - P + j;
+      const int64_t slot = p.cache_seqlens ? op.ring_slot(position) : j;
+      history[j] = position < 0 ? zero_vec<T, V>()
+                                : *reinterpret_cast<const Vec<T, V>*>(&op.state_at(row, slot, d0));
+    }
+    Vec<T, V> out;
+    for (int v = 0; v < V; ++v) {
+      const A* w = op.weight_row(b, d0 + v);
+      A z = op.bias(b, d0 + v) + w[P] * to_acc<A>(token.v[v]);
+      for (int k = 0; k < P; ++k) z += w[k] * to_acc<A>(history[k].v[v]);
+      out.v[v] = from_acc<T>(activate(z, p.silu));
+    }
+    store_vec(y, out);
+    if (p.cache_seqlens) {
+      store_vec(&op.state_at(row, op.ring_slot(next), d0), token);
+    } else {
+      for (int j = 0; j + 1 < P; ++j) store_vec(&op.state_at(row, j, d0), history[j + 1]);
+      if (P > 0) store_vec(&op.state_at(row, P - 1, d0), token);
+    }
+  }
+}
+
+int64_t update_blocks(int64_t threads) {
+  return std::max<int64_t>(
+      1, std::min(kUpdateMaxBlocks, (threads + kUpdateThreads - 1) / kUpdateThreads));
+}
+
 template <typename T, typename A, int kWidth>
 ffi::Error launch_update(cudaStream_t stream, const UpdateParams& p) {
   const int64_t work = p.batch * p.channels;
   if (work == 0) return ffi::Error::Success();
-  const int64_t blocks = std::max<int64_t>(
-      1, std::min(kUpdateMaxBlocks, (work + kUpdateThreads - 1) / kUpdateThreads));
-  update_kernel<T, A, kWidth><<<blocks, kUpdateThreads, 0, stream>>>(p);
-  return update_cuda_error("update kernel");
+  if constexpr (kWidth > 0) {
+    if (p.tokens == 1 && p.state_len == kWidth - 1) {
+      constexpr int V = kPack<T>;
+      // Channel vectors need contiguous channels (channel-last) that the vectors tile.
+      if (p.channel_last && p.channels % V == 0 && aligned16(p.x) && aligned16(p.y) &&
+          aligned16(p.state)) {
+        update_token_kernel<T, A, kWidth, V>
+            <<<update_blocks(work / V), kUpdateThreads, 0, stream>>>(p);
+      } else {
+        update_token_kernel<T, A, kWidth, 1><<<update_blocks(work), kUpdateThreads, 0, stream>>>(p);
+      }
+      return cuda_status("update token kernel");
+    }
+  }
+  update_kernel<T, A, kWidth><<<update_blocks(work), kUpdateThreads, 0, stream>>>(p);
+  return cuda_status("update kernel");
 }
 
 ffi::Error update_handler(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight,
@@ -83,4 +140,5 @@ ffi::Error update_handler(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     CausalConv1dUpdateCuda, causal_conv::update_handler,
-    causal_conv::bind_update(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));
+    causal_conv::bind_update(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});

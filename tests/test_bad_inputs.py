@@ -726,13 +726,17 @@ def test_varlen_nonfinite(states, fn, dev):
     (y1, f1), g1 = run(dict(args, x=x), (dy, cot[1]))
     for name, v in [("y", y1), ("final_states", f1), *((k, v) for k, v in g1.items() if v is not None)]:
         assert np.all(np.isfinite(np.asarray(v))), f"padding NaN reached {name}"
-    np.testing.assert_array_equal(np.asarray(y1)[2:16], np.asarray(y0)[2:16])
+    # Equal up to rounding: the reference's scatter-adds run in no fixed order on GPUs.
+    def unchanged(a, b):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-12, atol=1e-14)
+
+    unchanged(np.asarray(y1)[2:16], np.asarray(y0)[2:16])
     x[6:13] = np.nan  # sequence 2
     (y2, f2), g2 = run(dict(args, x=x), (dy, cot[1]))
     others = np.r_[2:6, 13:16]
-    np.testing.assert_array_equal(np.asarray(y2)[others], np.asarray(y0)[others])
-    np.testing.assert_array_equal(np.asarray(g2["x"])[others], np.asarray(g0["x"])[others])
-    np.testing.assert_array_equal(np.asarray(f2)[[0, 1, 3]], np.asarray(f0)[[0, 1, 3]])
+    unchanged(np.asarray(y2)[others], np.asarray(y0)[others])
+    unchanged(np.asarray(g2["x"])[others], np.asarray(g0["x"])[others])
+    unchanged(np.asarray(f2)[[0, 1, 3]], np.asarray(f0)[[0, 1, 3]])
     assert np.all(np.isnan(np.asarray(y2)[6:13]))
 
 
