@@ -13,7 +13,8 @@ feature_group_count=D) and ``copy`` (the memory roofline: a device pass over the
 Ops: ``fwd`` (y from x), ``bwd`` (dx, dw, db from x and dy: jax.vjp's backward function applied to
 dy, jitted together with the vjp so each implementation recomputes what its backward needs) and
 ``fwd+bwd`` (y, dx, dw, db in one jit). The copy's ``fwd`` is ``-x`` (1 read + 1 write; on
-32-bit words for 16-bit dtypes), its ``bwd`` is ``dy - x`` (2 reads + 1 write), its ``fwd+bwd`` the sum of the two times.
+32-bit words for 16-bit dtypes), its ``bwd`` is ``dy - x`` (2 reads + 1 write), its ``fwd+bwd``
+the sum of the two times.
 Decode (``causal_conv1d_update``, one token, shift mode) is timed when the package exports it.
 
 Two timings per op, both device-bound rather than per-call-Python-bound:
