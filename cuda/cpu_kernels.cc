@@ -614,14 +614,11 @@ ffi::Error backward_handler(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
                             ffi::Result<ffi::AnyBuffer> /*workspace: empty on CPU*/, bool silu,
                             bool channel_last) {
   ConvParams p;
-  if (auto err = fill_params(x, weight, bias, initial_state, seq_idx, silu, channel_last, p);
+  if (auto err = fill_backward_params(x, weight, bias, initial_state, seq_idx, dy, dfinal_state, dx,
+                                      dinitial_state, silu, channel_last, p);
       err.failure()) {
     return err;
   }
-  p.dy = dy.untyped_data();
-  p.dfinal_state = optional_data(dfinal_state);
-  p.dx = dx->untyped_data();
-  p.dinitial_state = optional_data(dinitial_state);
   return dispatch_dtype<Float16, BFloat16>(x.element_type(), weight.element_type(), [&](auto types) {
     using Types = decltype(types);
     using A = typename Types::Acc;

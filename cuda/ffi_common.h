@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -65,6 +66,34 @@ inline ffi::Error fill_params(const ffi::AnyBuffer& x, const ffi::AnyBuffer& wei
   p.bias = bias.untyped_data();
   p.initial_state = optional_data(initial_state);
   p.seq_idx = seq_idx.element_count() == 0 ? nullptr : seq_idx.typed_data();
+  return ffi::Error::Success();
+}
+
+// fill_params plus the backward's buffers: dy and dx shaped like x, dfinal_state and
+// dinitial_state like the state (or empty).
+inline ffi::Error fill_backward_params(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight,
+                                       const ffi::AnyBuffer& bias,
+                                       const ffi::AnyBuffer& initial_state,
+                                       const ffi::Buffer<ffi::S32>& seq_idx,
+                                       const ffi::AnyBuffer& dy, const ffi::AnyBuffer& dfinal_state,
+                                       ffi::Result<ffi::AnyBuffer>& dx,
+                                       ffi::Result<ffi::AnyBuffer>& dinitial_state, bool silu,
+                                       bool channel_last, ConvParams& p) {
+  if (auto err = fill_params(x, weight, bias, initial_state, seq_idx, silu, channel_last, p);
+      err.failure()) {
+    return err;
+  }
+  if (dy.element_count() != x.element_count() || dx->element_count() != x.element_count()) {
+    return invalid("dy and dx must have x's size");
+  }
+  const size_t state_count = static_cast<size_t>(p.batch * (p.width - 1) * p.channels);
+  for (const size_t count : {dfinal_state.element_count(), dinitial_state->element_count()}) {
+    if (count != 0 && count != state_count) return invalid("state gradients have the wrong size");
+  }
+  p.dy = dy.untyped_data();
+  p.dfinal_state = optional_data(dfinal_state);
+  p.dx = dx->untyped_data();
+  p.dinitial_state = optional_data(dinitial_state);
   return ffi::Error::Success();
 }
 
