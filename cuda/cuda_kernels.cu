@@ -1,5 +1,8 @@
 // CUDA kernels and their XLA FFI handlers, on top of the conv math in conv_math.h.
 //
+// Compile-time widths with 16-byte aligned buffers take the vectorized kernels (16-byte loads and
+// stores; in the channel-last layout a thread streams one pack of channels down a chunk of time,
+// its next rows in flight through a RowRing of shared memory). The generic kernels cover the rest:
 // Forward: one thread per output element, walked in memory order (coalesced in both layouts).
 // Backward: a block owns a (batch row, time tile, channel chunk). It keeps delta for its tile plus
 // the right halo of P rows in shared memory, writes dx only for the times it owns (and dS on the
@@ -77,12 +80,21 @@ __device__ __forceinline__ void load_pack(const Conv<T, A, K>& conv, int64_t b, 
   for (int v = 0; v < kPack<T>; ++v) out[v] = to_acc<A>(pack.v[v]);
 }
 
+// Rows in flight per thread in the channel-last kernels (RowRing depth): the forward's ring is
+// 8 x 16 bytes x 256 threads = 32 KB of shared memory per block, the backward's (x and dy) 4 x 2
+// x 16 x 256 = 32 KB.
+constexpr int kForwardDepth = 8;
+constexpr int kBackwardDepth = 4;
+
 // (B, L, D), D a multiple of the pack: a thread owns one pack of channels over a chunk of time
-// and slides a K-row register window down it.
+// and slides a K-row register window down it; its next rows arrive through a RowRing.
 template <typename T, typename A, int K>
 __global__ void __launch_bounds__(kThreads) forward_channel_last_kernel(ConvParams p) {
   constexpr int V = kPack<T>;
   constexpr int P = K - 1;
+  using Ring = RowRing<kForwardDepth, 1>;
+  __shared__ uint4 ring_slots[Ring::kSlots * kThreads];
+  const Ring ring{ring_slots};
   const Conv<T, A, K> conv{p};
   const int64_t packs = p.channels / V;
   const int64_t chunks = (p.length + kForwardTimeChunk - 1) / kForwardTimeChunk;
@@ -92,7 +104,13 @@ __global__ void __launch_bounds__(kThreads) forward_channel_last_kernel(ConvPara
     const int64_t d0 = (i % packs) * V;
     const int64_t chunk = (i / packs) % chunks, b = i / (packs * chunks);
     const int64_t t0 = chunk * kForwardTimeChunk;
-    const int64_t t1 = t0 + kForwardTimeChunk < p.length ? t0 + kForwardTimeChunk : p.length;
+    const int64_t steps = (t0 + kForwardTimeChunk < p.length ? t0 + kForwardTimeChunk : p.length) - t0;
+    const T* x_rows = static_cast<const T*>(p.x) + offset(p.x_strides, b, t0, d0);
+    T* y_rows = static_cast<T*>(p.y) + offset(p.x_strides, b, t0, d0);
+    const auto x_row = [&](int64_t step) -> const void* {
+      return step < steps ? x_rows + step * p.x_strides.time : nullptr;
+    };
+    for (int64_t step = 0; step < kForwardDepth; ++step) ring.fetch(step, {x_row(step)});
     A w[K][V], bias[V];
     for (int v = 0; v < V; ++v) {
       const A* row = conv.weight_row(b, d0 + v);
@@ -106,8 +124,11 @@ __global__ void __launch_bounds__(kThreads) forward_channel_last_kernel(ConvPara
       if (p.seq_idx != nullptr) segment[k] = conv.segment(b, t0 - P + k);
     }
 #pragma unroll 4
-    for (int64_t t = t0; t < t1; ++t) {
-      load_pack(conv, b, t, d0, window[P]);
+    for (int64_t step = 0; step < steps; ++step) {
+      const int64_t t = t0 + step;
+      ring.wait();
+      const Pack<T> in = ring.read<T, V>(0, step);
+      for (int v = 0; v < V; ++v) window[P][v] = to_acc<A>(in.v[v]);
       if (p.seq_idx != nullptr) segment[P] = conv.segment(b, t);
       Pack<T> out;
       for (int v = 0; v < V; ++v) {
@@ -119,7 +140,8 @@ __global__ void __launch_bounds__(kThreads) forward_channel_last_kernel(ConvPara
         const bool padding = p.seq_idx != nullptr && segment[P] < 0;
         out.v[v] = from_acc<T>(padding ? A(0) : activate(z, p.silu));
       }
-      *reinterpret_cast<Pack<T>*>(static_cast<T*>(p.y) + offset(p.x_strides, b, t, d0)) = out;
+      store_vec(y_rows + step * p.x_strides.time, out);
+      ring.fetch(step + kForwardDepth, {x_row(step + kForwardDepth)});
       for (int k = 0; k < P; ++k) {
         segment[k] = segment[k + 1];
         for (int v = 0; v < V; ++v) window[k][v] = window[k + 1][v];
@@ -279,6 +301,9 @@ __global__ void __launch_bounds__(kThreads)
     backward_channel_last_kernel(ConvParams p, A* partials, int64_t tiles) {
   constexpr int V = kPack<T>;
   constexpr int P = K - 1;
+  using Ring = RowRing<kBackwardDepth, 2>;  // x and dy
+  __shared__ uint4 ring_slots[Ring::kSlots * kThreads];
+  const Ring ring{ring_slots};
   const Conv<T, A, K> conv{p};
   const bool masked = p.seq_idx != nullptr;
   const int64_t packs = p.channels / V;
@@ -290,6 +315,16 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t t0 = tile * kTileLen;
     const int64_t t1 = t0 + kTileLen < p.length ? t0 + kTileLen : p.length;
     const int64_t first_u = (tile == 0 && p.dinitial_state != nullptr) ? -P : t0;
+    // Step j streams time t0 + j: the tile and the P rows after it that exist.
+    const int64_t live_steps = (t1 + P < p.length ? t1 + P : p.length) - t0;
+    const int64_t rows = offset(p.x_strides, b, t0, d0);
+    const auto fetch = [&](int64_t step) {
+      const int64_t at = rows + step * p.x_strides.time;
+      const bool live = step < live_steps;
+      ring.fetch(step, {live ? static_cast<const T*>(p.x) + at : nullptr,
+                        live ? static_cast<const T*>(p.dy) + at : nullptr});
+    };
+    for (int64_t step = 0; step < kBackwardDepth; ++step) fetch(step);
     A w[K][V], bias[V], dw[K][V], db[V];
     for (int v = 0; v < V; ++v) {
       const A* row = conv.weight_row(b, d0 + v);
@@ -311,14 +346,19 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t s = t0; s < t1 + P; ++s) {
       const bool live = s < p.length;
       A dy[V];
+      ring.wait();
       if (live) {
-        load_pack(conv, b, s, d0, x[P]);
-        load_pack_at<T>(p.dy, offset(p.x_strides, b, s, d0), dy);
+        const Pack<T> x_in = ring.read<T, V>(0, s - t0), dy_in = ring.read<T, V>(1, s - t0);
+        for (int v = 0; v < V; ++v) {
+          x[P][v] = to_acc<A>(x_in.v[v]);
+          dy[v] = to_acc<A>(dy_in.v[v]);
+        }
         if (masked) segment[P] = conv.segment(b, s);
       } else {
         for (int v = 0; v < V; ++v) x[P][v] = dy[v] = A(0);
         segment[P] = -1;
       }
+      fetch(s - t0 + kBackwardDepth);  // into the slots just read
       const bool output = live && !(masked && segment[P] < 0);
       for (int v = 0; v < V; ++v) {
         A z = bias[v];
@@ -644,14 +684,11 @@ ffi::Error backward_handler(cudaStream_t stream, ffi::AnyBuffer x,
                             ffi::Result<ffi::AnyBuffer> dinitial_state,
                             ffi::Result<ffi::AnyBuffer> workspace, bool silu, bool channel_last) {
   ConvParams p;
-  if (auto err = fill_params(x, weight, bias, initial_state, seq_idx, silu, channel_last, p);
+  if (auto err = fill_backward_params(x, weight, bias, initial_state, seq_idx, dy, dfinal_state, dx,
+                                      dinitial_state, silu, channel_last, p);
       err.failure()) {
     return err;
   }
-  p.dy = dy.untyped_data();
-  p.dfinal_state = optional_data(dfinal_state);
-  p.dx = dx->untyped_data();
-  p.dinitial_state = optional_data(dinitial_state);
   return dispatch_dtype<__half, __nv_bfloat16>(
       x.element_type(), weight.element_type(), [&](auto types) {
         using Types = decltype(types);

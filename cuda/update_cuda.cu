@@ -32,6 +32,28 @@ __global__ void update_kernel(UpdateParams p) {
   }
 }
 
+// The K taps of one channel. With V channels per thread, scalar tap loads would be 32-line
+// gathers per warp (lanes K * V accumulators apart); whole rows as one 8- or 16-byte load where
+// K taps make one.
+template <typename A, int K>
+struct Taps {
+  A v[K];
+};
+
+template <typename A, int K>
+__device__ __forceinline__ Taps<A, K> load_taps(const A* row) {
+  Taps<A, K> taps;
+  if constexpr (sizeof(A) * K == 8 || sizeof(A) * K == 16) {
+    if (reinterpret_cast<uintptr_t>(row) % sizeof(Vec<A, K>) == 0) {
+      const Vec<A, K> packed = *reinterpret_cast<const Vec<A, K>*>(row);
+      for (int k = 0; k < K; ++k) taps.v[k] = packed.v[k];
+      return taps;
+    }
+  }
+  for (int k = 0; k < K; ++k) taps.v[k] = row[k];
+  return taps;
+}
+
 // One token per row, state_len == K - 1 (shift or ring mode): V channels per thread.
 template <typename T, typename A, int K, int V>
 __global__ void __launch_bounds__(kUpdateThreads) update_token_kernel(UpdateParams p) {
@@ -59,9 +81,9 @@ __global__ void __launch_bounds__(kUpdateThreads) update_token_kernel(UpdatePara
     }
     Vec<T, V> out;
     for (int v = 0; v < V; ++v) {
-      const A* w = op.weight_row(b, d0 + v);
-      A z = op.bias(b, d0 + v) + w[P] * to_acc<A>(token.v[v]);
-      for (int k = 0; k < P; ++k) z += w[k] * to_acc<A>(history[k].v[v]);
+      const Taps<A, K> w = load_taps<A, K>(op.weight_row(b, d0 + v));
+      A z = op.bias(b, d0 + v) + w.v[P] * to_acc<A>(token.v[v]);
+      for (int k = 0; k < P; ++k) z += w.v[k] * to_acc<A>(history[k].v[v]);
       out.v[v] = from_acc<T>(activate(z, p.silu));
     }
     store_vec(y, out);
