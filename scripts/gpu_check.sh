@@ -4,11 +4,15 @@
 #
 #   scripts/gpu_check.sh                 # build + GPU tests + examples
 #   STEPS="build tests sanitizer" scripts/gpu_check.sh
+#   STEPS="build determinism extreme" scripts/gpu_check.sh   # issue 7: 1000-run determinism, extreme sizes
+#   EXTREME_ARGS="--only K=256" DETERMINISM_ARGS="--runs 100"  # extra arguments for those two scripts
 #   PYTEST_ARGS="tests/test_backward.py -k determinism" scripts/gpu_check.sh
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 STEPS=${STEPS:-"build tests examples"}
 PYTEST_ARGS=${PYTEST_ARGS:-tests}
+EXTREME_ARGS=${EXTREME_ARGS:-}
+DETERMINISM_ARGS=${DETERMINISM_ARGS:-}
 export PYTHONUNBUFFERED=1
 summary=()
 
@@ -48,7 +52,26 @@ if step sanitizer; then
     compute-sanitizer --tool "$tool" --error-exitcode 9 python3 scripts/sanitizer_cases.py \
       >"$OUT/sanitizer_$tool.log" 2>&1
     summary+=("compute-sanitizer $tool: exit $? ($(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1))")
+    # Values no trace-time check can see (issue 7 item 3): seq_idx, state_indices, cache_seqlens.
+    compute-sanitizer --tool "$tool" --error-exitcode 9 python3 scripts/sanitizer_unvalidated.py \
+      >"$OUT/sanitizer_${tool}_unvalidated.log" 2>&1
+    summary+=("compute-sanitizer $tool unvalidated: exit $? ($(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_${tool}_unvalidated.log" | tail -1); $(grep -E '^[0-9]+ mismatches' "$OUT/sanitizer_${tool}_unvalidated.log" | tail -1))")
   done
+fi
+
+# Before the extreme sizes: quick, and kept if a slow compile there hits the caller's time limit.
+if step determinism; then
+  # shellcheck disable=SC2086
+  python3 scripts/determinism.py $DETERMINISM_ARGS >"$OUT/determinism.log" 2>&1
+  summary+=("determinism: exit $? ($(tail -1 "$OUT/determinism.log"))")
+  grep -E "FAIL" "$OUT/determinism.log" | head -20
+fi
+
+if step extreme; then
+  # shellcheck disable=SC2086
+  python3 scripts/extreme_sizes.py $EXTREME_ARGS >"$OUT/extreme.log" 2>&1
+  summary+=("extreme sizes: exit $? ($(tail -1 "$OUT/extreme.log"))")
+  grep -E "FAIL" "$OUT/extreme.log" | head -20
 fi
 
 if step bench; then
