@@ -7,6 +7,7 @@
 #   STEPS="build determinism extreme" scripts/gpu_check.sh   # issue 7: 1000-run determinism, extreme sizes
 #   EXTREME_ARGS="--only K=256" DETERMINISM_ARGS="--runs 100"  # extra arguments for those two scripts
 #   PYTEST_ARGS="tests/test_backward.py -k determinism" scripts/gpu_check.sh
+#   CMAKE_ARGS=-DCMAKE_CUDA_ARCHITECTURES=90 scripts/gpu_check.sh   # H100/H200 only: faster build
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 STEPS=${STEPS:-"build tests examples"}
@@ -65,6 +66,13 @@ if step sanitizer; then
   # racecheck sees shared-memory hazards only; no kernel's shared-memory accesses depend on the
   # unvalidated values, so the shapes of sanitizer_cases.py cover them.
   sanitize racecheck scripts/sanitizer_cases.py "$OUT/sanitizer_racecheck.log"
+fi
+
+if step determinism; then
+  # shellcheck disable=SC2086
+  python3 scripts/determinism.py $DETERMINISM_ARGS >"$OUT/determinism.log" 2>&1
+  summary+=("determinism: exit $? ($(tail -1 "$OUT/determinism.log"))")
+  grep -E "FAIL" "$OUT/determinism.log" | head -20
 fi
 
 if step extreme; then
