@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
+from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _native, reference
 
@@ -55,13 +56,30 @@ def _state_shape(x_shape, state_len, channel_last):
     return (x_shape[0], x_shape[1], state_len)
 
 
+def _typed_like(like, shape, time_axis=None):
+    """An aval of `like`'s dtype and sharding type, unsharded along `time_axis` if given.
+
+    On meshes with Explicit axes the sharding is part of the type: outputs keep their operand's
+    (y and the gradients), and the final state, which comes from the last time step, is whole
+    along time.
+    """
+    sharding = getattr(like, "sharding", None)
+    if sharding is None or not isinstance(sharding, NamedSharding):
+        return jax.core.ShapedArray(shape, like.dtype)
+    if time_axis is not None:
+        spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+        spec[time_axis] = None
+        sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec))
+    return jax.core.ShapedArray(shape, like.dtype, sharding=sharding)
+
+
 def _forward_abstract(*operands, **params):
     a = _named(operands, FWD_SLOTS, params)
     x, weight = a["x"], a["weight"]
-    outs = [jax.core.ShapedArray(x.shape, x.dtype)]
+    outs = [_typed_like(x, x.shape)]
     if params["return_final_state"]:
         shape = _state_shape(x.shape, weight.shape[-1] - 1, params["channel_last"])
-        outs.append(jax.core.ShapedArray(shape, x.dtype))
+        outs.append(_typed_like(x, shape, time_axis=1 if params["channel_last"] else 2))
     return outs
 
 
@@ -70,7 +88,7 @@ def _backward_abstract(*operands, **params):
     outs = [a["x"], a["weight"], a["bias"]]
     if params["has_initial_state"]:
         outs.append(a["initial_state"])
-    return [jax.core.ShapedArray(o.shape, o.dtype) for o in outs]
+    return [_typed_like(o, o.shape) for o in outs]
 
 
 forward_p.def_abstract_eval(_forward_abstract)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -338,6 +339,36 @@ def test_explicit_axes_mesh():
     check_collectives(collectives(fn.lower(*args).compile().as_text()), x_local=4 * 32 * 8 // 4,
                       state_local=2 * 3 * 8, weight_size=8 * 5, n_reduce=4, n_length=2,
                       n_devices=mesh.size)
+
+
+def test_explicit_axes_types():
+    """On Explicit axes the sharding is part of the type: inside jit, y is typed like x, the final
+    state like x but whole along time, and each gradient like its primal."""
+    explicit = (jax.sharding.AxisType.Explicit,) * 2
+    mesh = jax.make_mesh((2, 2), ("data", "seq"), axis_types=explicit,
+                         devices=jax.devices("cpu")[:4])
+    rng = np.random.default_rng(7)
+    a = inputs(rng, 4, 32, 8, 4, "BLD")
+    x = jax.device_put(a["x"], NamedSharding(mesh, P("data", "seq", None)))
+    s = jax.device_put(a["s"], NamedSharding(mesh, P("data", None, None)))
+    seen = {}
+
+    def loss(conv, x, w, b, s):
+        y, final = conv(x, w, b, activation="silu", initial_state=s, return_final_state=True)
+        seen[conv] = jax.typeof(y).sharding.spec, jax.typeof(final).sharding.spec
+        return jnp.sum(y * y) + jnp.sum(final)
+
+    want = jax.grad(partial(loss, reference.causal_conv1d), argnums=(0, 1, 2, 3))(
+        a["x"], a["w"], a["b"], a["s"])
+    with jax.set_mesh(mesh):
+        grads = jax.jit(jax.grad(partial(loss, jcc.causal_conv1d), argnums=(0, 1, 2, 3)))(
+            x, a["w"], a["b"], s)
+    seen["y"], seen["final"] = seen[jcc.causal_conv1d]
+    assert seen["y"] == P("data", "seq", None)
+    assert seen["final"] == P("data", None, None)
+    for g, primal, r in zip(grads, (x, a["w"], a["b"], s), want):
+        assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
+        assert_close(g, r, jnp.float32, "explicit-axes gradient")
 
 
 @pytest.mark.parametrize("manual", ["all", "data"])
