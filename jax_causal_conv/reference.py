@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from ._validation import check_conv_args, check_update_args, check_varlen_args
 
@@ -39,6 +40,23 @@ def _to_bld(a, layout):
     return a if layout == "BLD" else jnp.swapaxes(a, 1, 2)
 
 
+def _replicated(a):
+    """`a` with a replicated sharding type, if a mesh with Explicit axes shards it.
+
+    On such meshes shardings are types, and these references mix their inputs with arrays they
+    create (zero states, accumulators, masks) whose types carry no sharding; an oracle trades the
+    split for that simplicity. Elsewhere `a` is returned as is.
+    """
+    if a is None:
+        return a
+    sharding = getattr(jax.typeof(a), "sharding", None)
+    if not isinstance(sharding, NamedSharding) or all(s is None for s in sharding.spec):
+        return a
+    if AxisType.Explicit not in tuple(getattr(sharding.mesh, "axis_types", ())):
+        return a
+    return jax.sharding.reshard(a, PartitionSpec())
+
+
 def causal_conv1d(
     x,
     weight,
@@ -55,6 +73,7 @@ def causal_conv1d(
         x, weight, bias, activation=activation, initial_state=initial_state, seq_idx=seq_idx,
         return_final_state=return_final_state, layout=layout, fn="reference.causal_conv1d",
     )
+    x, initial_state, seq_idx = (_replicated(a) for a in (x, initial_state, seq_idx))
     acc = accumulation_dtype(x.dtype)
     L, P = spec.length, spec.state_len
     x_bld = _to_bld(x, layout).astype(acc)
@@ -162,6 +181,8 @@ def causal_conv1d_update(
         x, conv_state, weight, bias, activation=activation, cache_seqlens=cache_seqlens,
         state_indices=state_indices, layout=layout, fn="reference.causal_conv1d_update",
     )
+    x, conv_state, cache_seqlens, state_indices = (
+        _replicated(a) for a in (x, conv_state, cache_seqlens, state_indices))
     acc = accumulation_dtype(x.dtype)
     rows_weight = jnp.broadcast_to(weight.astype(acc), (spec.batch,) + weight.shape)
     b = jnp.zeros((spec.channels,), acc) if bias is None else bias.astype(acc)
@@ -207,6 +228,7 @@ def causal_conv1d_varlen(
         initial_states=initial_states, return_final_states=return_final_states,
         fn="reference.causal_conv1d_varlen",
     )
+    x, cu_seqlens, initial_states = (_replicated(a) for a in (x, cu_seqlens, initial_states))
     acc = accumulation_dtype(x.dtype)
     T, D, N, P = spec.tokens, spec.channels, spec.num_seqs, spec.state_len
     if N == 0:

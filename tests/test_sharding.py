@@ -343,7 +343,8 @@ def test_explicit_axes_mesh():
 
 def test_explicit_axes_types():
     """On Explicit axes the sharding is part of the type: inside jit, y is typed like x, the final
-    state like x but whole along time, and each gradient like its primal."""
+    state like x but whole along time, and each gradient like its primal. The reference works on
+    such a mesh as well."""
     explicit = (jax.sharding.AxisType.Explicit,) * 2
     mesh = jax.make_mesh((2, 2), ("data", "seq"), axis_types=explicit,
                          devices=jax.devices("cpu")[:4])
@@ -363,7 +364,12 @@ def test_explicit_axes_types():
     with jax.set_mesh(mesh):
         grads = jax.jit(jax.grad(partial(loss, jcc.causal_conv1d), argnums=(0, 1, 2, 3)))(
             x, a["w"], a["b"], s)
+        # The reference runs on such a mesh too (replicated inside), for checking against it.
+        ref_grads = jax.jit(jax.grad(partial(loss, reference.causal_conv1d), argnums=(0, 1, 2, 3)))(
+            x, a["w"], a["b"], s)
     seen["y"], seen["final"] = seen[jcc.causal_conv1d]
+    for g, r in zip(ref_grads, want):
+        assert_close(g, r, jnp.float32, "reference on the explicit-axes mesh")
     assert seen["y"] == P("data", "seq", None)
     assert seen["final"] == P("data", None, None)
     for g, primal, r in zip(grads, (x, a["w"], a["b"], s), want):
