@@ -64,7 +64,7 @@ def _typed_like(like, shape, time_axis=None):
     along time.
     """
     sharding = getattr(like, "sharding", None)
-    if sharding is None or not isinstance(sharding, NamedSharding):
+    if not isinstance(sharding, NamedSharding):
         return jax.core.ShapedArray(shape, like.dtype)
     if time_axis is not None:
         spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
