@@ -102,26 +102,42 @@ CAUSAL_CONV_HD float exp_acc(float v) {
 CAUSAL_CONV_HD double exp_acc(double v) { return exp(v); }
 CAUSAL_CONV_HD double sigmoid(double z) { return 1.0 / (1.0 + exp_acc(-z)); }
 
-// On the GPU the float sigmoid uses the special-function unit (ex2 and rcp, about 2 ulp): the
-// IEEE expf and division cost more than the memory traffic of the whole conv.
+// On the GPU the float sigmoid is two special-function instructions (ex2 and rcp, about 2 ulp),
+// flushing subnormals: the IEEE expf and division, or even __expf's subnormal fix-ups, cost more
+// issue slots than the memory traffic of the whole conv leaves. Large |z| saturates to 0 or 1.
 CAUSAL_CONV_HD float sigmoid(float z) {
 #if defined(__CUDA_ARCH__)
-  return __fdividef(1.0f, 1.0f + __expf(-z));
+  float e, r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(z * -1.4426950408889634f));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
+  return r;
 #else
   return 1.0f / (1.0f + exp_acc(-z));
 #endif
 }
 
+// On the GPU both are branch-free (the sigmoid is computed, then selected): a branch per element,
+// uniform as it is, costs more issue slots there than the two special-function instructions.
 template <typename A>
 CAUSAL_CONV_HD A activate(A z, bool silu) {
+#if defined(__CUDA_ARCH__)
+  const A s = sigmoid(z);
+  return silu ? z * s : z;
+#else
   return silu ? z * sigmoid(z) : z;
+#endif
 }
 
 template <typename A>
 CAUSAL_CONV_HD A activation_grad(A z, bool silu) {
+#if defined(__CUDA_ARCH__)
+  const A s = sigmoid(z);
+  return silu ? s * (A(1) + z * (A(1) - s)) : A(1);
+#else
   if (!silu) return A(1);
   const A s = sigmoid(z);
   return s * (A(1) + z * (A(1) - s));
+#endif
 }
 
 // Storage type <-> accumulation type. Half types convert through float; every storage type used

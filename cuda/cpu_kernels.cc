@@ -598,7 +598,7 @@ ffi::Error forward_handler(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
   p.final_state = optional_data(final_state);
   return dispatch_dtype<Float16, BFloat16>(x.element_type(), weight.element_type(), [&](auto types) {
     using Types = decltype(types);
-    dispatch_width(p.width, [&](auto width) {
+    dispatch_width<kCpuMaxWidth>(p.width, [&](auto width) {
       forward<typename Types::Storage, typename Types::Acc, decltype(width)::value>(pool, p);
     });
     return ffi::Error::Success();
@@ -622,7 +622,7 @@ ffi::Error backward_handler(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
   return dispatch_dtype<Float16, BFloat16>(x.element_type(), weight.element_type(), [&](auto types) {
     using Types = decltype(types);
     using A = typename Types::Acc;
-    dispatch_width(p.width, [&](auto width) {
+    dispatch_width<kCpuMaxWidth>(p.width, [&](auto width) {
       backward<typename Types::Storage, A, decltype(width)::value>(
           pool, p, static_cast<A*>(dweight->untyped_data()),
           static_cast<A*>(dbias->untyped_data()));

@@ -2,12 +2,15 @@
 // consecutive elements, and the launch-error check every handler ends with.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "ffi_common.h"
 
@@ -53,15 +56,36 @@ struct RawWord<2> {
   using type = unsigned short;
 };
 
+template <typename T, int N>
+using RawFor = typename RawWord<sizeof(T) * N>::type;
+
+// Loads and stores move Vec values through one raw word: a Vec of half types copied as a struct
+// compiles to one access per 4 bytes, not one 16-byte access.
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> from_raw(const RawFor<T, N>& raw) {
+  Vec<T, N> out;
+  memcpy(&out, &raw, sizeof raw);
+  return out;
+}
+
+template <typename T, int N>
+__device__ __forceinline__ RawFor<T, N> to_raw(const Vec<T, N>& value) {
+  RawFor<T, N> raw;
+  memcpy(&raw, &value, sizeof raw);
+  return raw;
+}
+
 // A load through the read-only (non-coherent) data path, for buffers no thread of the kernel
 // writes: it lets the compiler issue later steps' loads ahead of this step's stores.
 template <typename T, int N>
 __device__ __forceinline__ Vec<T, N> load_readonly(const T* src) {
-  using Raw = typename RawWord<sizeof(T) * N>::type;
-  const Raw raw = __ldg(reinterpret_cast<const Raw*>(src));
-  Vec<T, N> out;
-  memcpy(&out, &raw, sizeof raw);
-  return out;
+  return from_raw<T, N>(__ldg(reinterpret_cast<const RawFor<T, N>*>(src)));
+}
+
+// A plain load, for buffers the kernel also writes.
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> load_vec(const T* src) {
+  return from_raw<T, N>(*reinterpret_cast<const RawFor<T, N>*>(src));
 }
 
 template <typename T, int N>
@@ -71,12 +95,39 @@ __device__ __forceinline__ Vec<T, N> zero_vec() {
   return out;
 }
 
+// Through the __stwb intrinsic: a plain store of the raw word reaches the compiler's back end as
+// four 4-byte stores in unrolled loops, where it cannot prove the alignment.
 template <typename T, int N>
 __device__ __forceinline__ void store_vec(T* dst, const Vec<T, N>& value) {
-  *reinterpret_cast<Vec<T, N>*>(dst) = value;
+  __stwb(reinterpret_cast<RawFor<T, N>*>(dst), to_raw(value));
 }
 
-// Per-thread 16-byte rows of kArrays buffers, fetched kDepth steps ahead with cp.async into
+// N elements of T as floats, and back (16-bit pairs convert with one instruction).
+template <typename T, int N>
+__device__ __forceinline__ void to_floats(const Vec<T, N>& in, float (&out)[N]) {
+  for (int v = 0; v < N; ++v) out[v] = static_cast<float>(in.v[v]);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> from_floats(const float (&in)[N]) {
+  Vec<T, N> out;
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && N % 2 == 0) {
+    for (int v = 0; v < N; v += 2) {
+      const __nv_bfloat162 pair = __floats2bfloat162_rn(in[v], in[v + 1]);
+      memcpy(&out.v[v], &pair, sizeof pair);
+    }
+  } else if constexpr (std::is_same_v<T, __half> && N % 2 == 0) {
+    for (int v = 0; v < N; v += 2) {
+      const __half2 pair = __floats2half2_rn(in[v], in[v + 1]);
+      memcpy(&out.v[v], &pair, sizeof pair);
+    }
+  } else {
+    for (int v = 0; v < N; ++v) out.v[v] = T(in[v]);
+  }
+  return out;
+}
+
+// Per-thread rows (one Row word: 8 or 16 bytes) of kArrays buffers, fetched kDepth steps ahead with cp.async into
 // shared memory. A copy in flight holds no registers; with the rows loaded into registers one step
 // ahead, register pressure capped the vectorized kernels at 12-24% of warps active and DRAM at
 // 16-28% of peak (ncu). Each thread reads back only the slots it filled, so the only
@@ -84,14 +135,14 @@ __device__ __forceinline__ void store_vec(T* dst, const Vec<T, N>& value) {
 // step s: wait(), read(s, ...), and once those bytes are consumed, fetch(s + kDepth, ...) into the
 // slots just read. Every fetch commits one copy group, empty when its sources are null, so that
 // wait() always finds step s's group kDepth - 1 groups from the newest.
-template <int kDepth, int kArrays>
+template <int kDepth, int kArrays, typename Row = uint4>
 struct RowRing {
   static_assert((kDepth & (kDepth - 1)) == 0, "kDepth must be a power of two");
-  static constexpr int kSlots = kDepth * kArrays;  // uint4 slots per thread
+  static constexpr int kSlots = kDepth * kArrays;  // Row slots per thread
 
-  uint4* slots;  // [array][depth][thread] in shared memory: neighbouring threads, neighbouring banks
+  Row* slots;  // [array][depth][thread] in shared memory: neighbouring threads, neighbouring banks
 
-  __device__ __forceinline__ uint4* slot(int array, int64_t step) const {
+  __device__ __forceinline__ Row* slot(int array, int64_t step) const {
     const int depth = static_cast<int>(step & (kDepth - 1));
     return slots + (array * kDepth + depth) * blockDim.x + threadIdx.x;
   }
@@ -99,7 +150,7 @@ struct RowRing {
   // Starts the copies of step's rows, src[a] for array a (none for a null source).
   __device__ __forceinline__ void fetch(int64_t step, const void* const (&src)[kArrays]) const {
     for (int a = 0; a < kArrays; ++a) {
-      if (src[a] != nullptr) __pipeline_memcpy_async(slot(a, step), src[a], sizeof(uint4));
+      if (src[a] != nullptr) __pipeline_memcpy_async(slot(a, step), src[a], sizeof(Row));
     }
     __pipeline_commit();
   }
@@ -109,11 +160,8 @@ struct RowRing {
 
   template <typename T, int N>
   __device__ __forceinline__ Vec<T, N> read(int array, int64_t step) const {
-    static_assert(sizeof(Vec<T, N>) == sizeof(uint4), "rows are 16 bytes");
-    const uint4 raw = *slot(array, step);
-    Vec<T, N> out;
-    memcpy(&out, &raw, sizeof raw);
-    return out;
+    static_assert(sizeof(Vec<T, N>) == sizeof(Row), "a row is one Row word");
+    return from_raw<T, N>(*slot(array, step));
   }
 };
 

@@ -149,15 +149,25 @@ ffi::Error dispatch_dtype(ffi::DataType x_dtype, ffi::DataType weight_dtype, Fn&
   }
 }
 
-// Widths with a compile-time fast path; every other width runs the generic loop (kWidth = 0).
-template <typename Fn>
-auto dispatch_width(int64_t width, Fn&& fn) {
-  switch (width) {
-    case 2: return fn(std::integral_constant<int, 2>{});
-    case 3: return fn(std::integral_constant<int, 3>{});
-    case 4: return fn(std::integral_constant<int, 4>{});
-    default: return fn(std::integral_constant<int, 0>{});
+// Widths 2 .. kMaxWidth get compile-time kernels; every other width runs the generic loop
+// (kWidth = 0). The CPU compiles K <= 4 (each width is one more copy per instruction set); the GPU
+// K <= 8, the widths its performance targets cover.
+constexpr int kCpuMaxWidth = 4;
+constexpr int kCudaMaxWidth = 8;
+
+template <int kWidth, int kMaxWidth, typename Fn>
+auto dispatch_width_from(int64_t width, Fn&& fn) {
+  if constexpr (kWidth > kMaxWidth) {
+    return fn(std::integral_constant<int, 0>{});
+  } else {
+    if (width == kWidth) return fn(std::integral_constant<int, kWidth>{});
+    return dispatch_width_from<kWidth + 1, kMaxWidth>(width, std::forward<Fn>(fn));
   }
+}
+
+template <int kMaxWidth, typename Fn>
+auto dispatch_width(int64_t width, Fn&& fn) {
+  return dispatch_width_from<2, kMaxWidth>(width, std::forward<Fn>(fn));
 }
 
 // causal_conv1d_update: x is (batch, tokens, channels) for channel_last, else (batch, channels,

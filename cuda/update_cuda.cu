@@ -150,7 +150,7 @@ ffi::Error update_handler(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
   return dispatch_dtype<__half, __nv_bfloat16>(
       x.element_type(), weight.element_type(), [&](auto types) {
         using Types = decltype(types);
-        return dispatch_width(p.width, [&](auto width) {
+        return dispatch_width<kCudaMaxWidth>(p.width, [&](auto width) {
           return launch_update<typename Types::Storage, typename Types::Acc,
                                decltype(width)::value>(stream, p);
         });

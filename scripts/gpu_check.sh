@@ -8,12 +8,14 @@
 #   EXTREME_ARGS="--only K=256" DETERMINISM_ARGS="--runs 100"  # extra arguments for those two scripts
 #   PYTEST_ARGS="tests/test_backward.py -k determinism" scripts/gpu_check.sh
 #   CMAKE_ARGS=-DCMAKE_CUDA_ARCHITECTURES=90 scripts/gpu_check.sh   # H100/H200 only: faster build
+#   STEPS="build bench" BENCH_ARGS="--cases main --impls ours,copy" scripts/gpu_check.sh
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 STEPS=${STEPS:-"build tests examples"}
 PYTEST_ARGS=${PYTEST_ARGS:-tests}
 EXTREME_ARGS=${EXTREME_ARGS:-}
 DETERMINISM_ARGS=${DETERMINISM_ARGS:-}
+BENCH_ARGS=${BENCH_ARGS:-}
 export PYTHONUNBUFFERED=1
 summary=()
 
@@ -83,7 +85,8 @@ if step extreme; then
 fi
 
 if step bench; then
-  python3 benchmarks/bench.py --out "$OUT" >"$OUT/bench.log" 2>&1
+  # shellcheck disable=SC2086
+  python3 benchmarks/bench.py --out "$OUT" $BENCH_ARGS >"$OUT/bench.log" 2>&1
   summary+=("bench: exit $? (table in bench.md)")
   tail -40 "$OUT/bench.log"
 fi

@@ -1,0 +1,296 @@
+// Vectorized backward kernels for compile-time widths (see conv_vector.cuh). Each writes dx (and
+// dS), and its dw/db sums per (batch row, slice of time, channel) to partials[b, slice, d, 0..K]
+// (k = K is db), which reduce_partials_kernel then sums in a fixed order.
+#pragma once
+
+#include <cstdint>
+
+#include "conv_vector.cuh"
+
+namespace causal_conv {
+
+// Rows of x and dy in flight per thread in the channel-last backward (RowRing depth).
+constexpr int kBackwardDepth = 4;
+
+// (B, L, D), D a multiple of C. A thread owns C channels over one tile [t0, t1) and streams s from
+// t0 to t1 + P - 1 with K-row register windows of x, delta and segment ids. At step s it finishes
+// delta_s, adds delta_s's dw/db terms when it owns s, and emits dx_{s-P}, whose deltas (s-P .. s)
+// are all in the window by then.
+template <typename T, int K, bool kMasked>
+__global__ void __launch_bounds__(kThreads)
+    backward_channel_last_kernel(ConvParams p, float* partials, int64_t tile_len, int64_t tiles) {
+  constexpr int C = channels_per_thread<T, K, 16>();
+  constexpr int P = K - 1;
+  using Row = RawFor<T, C>;
+  using Ring = RowRing<kBackwardDepth, 2, Row>;  // x and dy
+  __shared__ Row ring_slots[Ring::kSlots * kThreads];
+  const Ring ring{ring_slots};
+  const Conv<T, float, K> conv{p};
+  const int64_t packs = p.channels / C;
+  const int64_t total = p.batch * tiles * packs;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t d0 = (i % packs) * C;
+    const int64_t tile = (i / packs) % tiles, b = i / (packs * tiles);
+    const int64_t t0 = tile * tile_len;
+    const int owned = static_cast<int>(std::min(tile_len, p.length - t0));
+    const int64_t first_u = (tile == 0 && p.dinitial_state != nullptr) ? -P : t0;
+    // Step j streams time t0 + j: the tile and the P rows after it that exist.
+    const int live_steps = static_cast<int>(std::min<int64_t>(owned + P, p.length - t0));
+    const int64_t first = (b * p.length + t0) * p.channels + d0;
+    const T* x_rows = static_cast<const T*>(p.x) + first;
+    const T* dy_rows = static_cast<const T*>(p.dy) + first;
+    T* dx_rows = static_cast<T*>(p.dx) + first;
+    const int32_t* segment_row = kMasked ? p.seq_idx + b * p.length : nullptr;
+    const auto fetch = [&](int step) {
+      const bool live = step < live_steps;
+      ring.fetch(step, {live ? x_rows + step * p.channels : nullptr,
+                        live ? dy_rows + step * p.channels : nullptr});
+    };
+    for (int step = 0; step < kBackwardDepth; ++step) fetch(step);
+    float w[K][C], bias[C], dw[K][C] = {}, db[C] = {};
+    load_weights(conv, b, d0, w, bias);
+    float x[K][C], delta[K][C] = {};
+    int32_t segment[K] = {};
+    for (int k = 0; k < P; ++k) {
+      load_row(conv, b, t0 - P + k, d0, x[k]);
+      if (kMasked) segment[k] = conv.segment(b, t0 - P + k);
+    }
+#pragma unroll 2
+    for (int step = 0; step < owned + P; ++step) {
+      const int64_t s = t0 + step;
+      const bool live = step < live_steps;
+      float dy[C];
+      ring.wait();
+      if (live) {
+        to_floats(ring.template read<T, C>(0, step), x[P]);
+        to_floats(ring.template read<T, C>(1, step), dy);
+        if (kMasked) segment[P] = segment_row[s];
+      } else {
+        for (int c = 0; c < C; ++c) x[P][c] = dy[c] = 0.0f;
+        segment[P] = -1;
+      }
+      fetch(step + kBackwardDepth);  // into the slots just read
+      const bool output = live && !(kMasked && segment[P] < 0);
+      for (int c = 0; c < C; ++c) {
+        float z = bias[c];
+        for (int k = 0; k < K; ++k) {
+          const float tap = fmaf(w[k][c], x[k][c], z);
+          z = (!kMasked || same_segment(segment[P], segment[k])) ? tap : z;
+        }
+        delta[P][c] = output ? dy[c] * activation_grad(z, p.silu) : 0.0f;
+      }
+      if (step < owned) {
+        for (int c = 0; c < C; ++c) {
+          db[c] += delta[P][c];
+          for (int k = 0; k < K; ++k) {
+            const float term = fmaf(delta[P][c], x[k][c], dw[k][c]);
+            dw[k][c] = (!kMasked || same_segment(segment[P], segment[k])) ? term : dw[k][c];
+          }
+        }
+      }
+      const int64_t u = s - P;  // tap k of output time s - k reads x_u; its delta is delta[P - k]
+      if (u >= first_u) {
+        // Taps of outputs outside [0, L) are skipped, not multiplied by a zero delta: a
+        // non-finite weight must reach dx only through outputs that exist, as in the reference.
+        float g[C];
+        if (!kMasked && u >= 0 && s < p.length) {  // every tap's output exists
+          for (int c = 0; c < C; ++c) {
+            g[c] = 0.0f;
+            for (int k = 0; k < K; ++k) g[c] = fmaf(w[k][c], delta[P - k][c], g[c]);
+          }
+        } else {
+          for (int c = 0; c < C; ++c) {
+            g[c] = 0.0f;
+            for (int k = 0; k < K; ++k) {
+              const bool used = s - k >= 0 && s - k < p.length &&
+                                (!kMasked || same_segment(segment[P - k], segment[0]));
+              g[c] = used ? fmaf(w[k][c], delta[P - k][c], g[c]) : g[c];
+            }
+          }
+        }
+        if (u >= p.length - P) {
+          for (int c = 0; c < C; ++c) g[c] += conv.final_state_grad(b, u, d0 + c);
+        }
+        if (u >= 0) {
+          store_vec(dx_rows + (step - P) * p.channels, from_floats<T, C>(g));
+        } else {
+          store_vec(static_cast<T*>(p.dinitial_state) + offset(p.state_strides, b, u + P, d0),
+                    from_floats<T, C>(g));
+        }
+      }
+      for (int k = 0; k < P; ++k) {
+        segment[k] = segment[k + 1];
+        for (int c = 0; c < C; ++c) {
+          x[k][c] = x[k + 1][c];
+          delta[k][c] = delta[k + 1][c];
+        }
+      }
+    }
+    float* out = partials + ((b * tiles + tile) * p.channels + d0) * (K + 1);
+    for (int c = 0; c < C; ++c) {
+      for (int k = 0; k < K; ++k) out[c * (K + 1) + k] = dw[k][c];
+      out[c * (K + 1) + K] = db[c];
+    }
+  }
+}
+
+// delta (and segment ids) of one channel-first segment, V times per lane.
+template <int V>
+struct SegmentDelta {
+  float delta[V];
+  int32_t segment[V];  // seq_idx, or 0 without one; -1 where the time does not exist
+};
+
+// (B, D, L), L a multiple of the pack V. A warp streams chunk_len times of one (b, d) row in
+// segments of 32 V times, lane l owning V consecutive times of each. Per segment it computes delta
+// (x halos from lower lanes by shuffle) and, once the next segment's delta is known, dx (delta
+// halos from higher lanes or the next segment). dw/db stay in registers until the chunk ends, then
+// one fixed shuffle tree sums them into partials[b, chunk, d, 0..K]. A chunk that ends before the
+// row does computes the first P deltas after it again (they belong to the next chunk).
+template <typename T, int K, bool kMasked>
+__global__ void __launch_bounds__(kThreads)
+    backward_channel_first_kernel(ConvParams p, float* partials, int64_t chunk_len) {
+  constexpr int V = kPack<T>;
+  constexpr int P = K - 1;
+  constexpr int64_t kSegment = kLanes * V;
+  const Conv<T, float, K> conv{p};
+  const int lane = threadIdx.x % kLanes;
+  const int64_t chunks = (p.length + chunk_len - 1) / chunk_len;
+  const int64_t items = p.batch * p.channels * chunks;
+  const int64_t warps_per_grid = int64_t{gridDim.x} * (blockDim.x / kLanes);
+  for (int64_t item = blockIdx.x * int64_t{blockDim.x / kLanes} + threadIdx.x / kLanes;
+       item < items; item += warps_per_grid) {
+    const int64_t chunk = item % chunks, row = item / chunks;
+    const int64_t b = row / p.channels, d = row % p.channels;
+    const int64_t c0 = chunk * chunk_len, c1 = std::min(c0 + chunk_len, p.length);
+    // Times this item loads: its own, and the P after them that the dx of its last times needs.
+    const int64_t loaded_end = std::min(c1 + P, p.length);
+    const T* x_row = static_cast<const T*>(p.x) + row * p.length;
+    const T* dy_row = static_cast<const T*>(p.dy) + row * p.length;
+    T* dx_row = static_cast<T*>(p.dx) + row * p.length;
+    const int32_t* segment_row = kMasked ? p.seq_idx + b * p.length : nullptr;
+    float w[K][1], bias[1];
+    load_weights(conv, b, d, w, bias);
+    float carry[P];
+    int32_t segment_carry[P];
+    for (int j = 0; j < P; ++j) {
+      carry[j] = conv.input(b, c0 - P + j, d);
+      segment_carry[j] = kMasked ? conv.segment(b, c0 - P + j) : 0;
+    }
+    float dw[K + 1] = {};  // dw[K] is db
+
+    const auto segment_delta = [&](int64_t s, SegmentDelta<V>& out) {
+      const int64_t t0 = s + lane * V;
+      const bool exists = t0 < loaded_end;
+      float own[V], dy[V];
+      to_floats(exists ? load_readonly<T, V>(x_row + t0) : zero_vec<T, V>(), own);
+      to_floats(exists ? load_readonly<T, V>(dy_row + t0) : zero_vec<T, V>(), dy);
+      float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}
+      halo_before<P, V>(own, carry, lane, reinterpret_cast<float(&)[P]>(xs[0]));
+      segment_tail<P, V>(own, carry);
+      for (int v = 0; v < V; ++v) xs[P + v] = own[v];
+      int32_t segments[P + V];
+      if (kMasked) {
+        int32_t own_segments[V];
+        load_segments(segment_row + t0, exists, own_segments);
+        halo_before<P, V>(own_segments, segment_carry, lane,
+                          reinterpret_cast<int32_t(&)[P]>(segments[0]));
+        segment_tail<P, V>(own_segments, segment_carry);
+        for (int v = 0; v < V; ++v) segments[P + v] = own_segments[v];
+      } else {
+        for (int j = 0; j < P + V; ++j) segments[j] = exists ? 0 : -1;
+      }
+      const bool accumulate = t0 < c1;
+      for (int v = 0; v < V; ++v) {
+        float z = bias[0];
+        for (int k = 0; k < K; ++k) {
+          const float tap = fmaf(w[k][0], xs[v + k], z);
+          z = (!kMasked || same_segment(segments[P + v], segments[v + k])) ? tap : z;
+        }
+        const bool output = exists && !(kMasked && segments[P + v] < 0);
+        out.delta[v] = output ? dy[v] * activation_grad(z, p.silu) : 0.0f;
+        out.segment[v] = segments[P + v];
+        if (accumulate) {
+          dw[K] += out.delta[v];
+          for (int k = 0; k < K; ++k) {
+            const float term = fmaf(out.delta[v], xs[v + k], dw[k]);
+            dw[k] = (!kMasked || same_segment(segments[P + v], segments[v + k])) ? term : dw[k];
+          }
+        }
+      }
+    };
+
+    SegmentDelta<V> current, next;
+    segment_delta(c0, current);
+    if (c0 == 0 && p.dinitial_state != nullptr) {
+      // dS = dx on [-P, 0): taps of outputs 0 .. P-1, whose deltas lanes 0 and 1 hold.
+      float first[P];
+      int32_t first_segment[P];
+      for (int t = 0; t < P; ++t) {
+        first[t] = __shfl_sync(kFullWarp, current.delta[t % V], t / V);
+        first_segment[t] = __shfl_sync(kFullWarp, current.segment[t % V], t / V);
+      }
+      if (lane == 0) {
+        const int32_t segment_u = kMasked ? conv.segment(b, 0) : 0;
+        for (int i = 0; i < P; ++i) {
+          float acc = 0.0f;
+          for (int k = 0; k <= i; ++k) {
+            const int t = i - k;
+            const bool used = kMasked ? same_segment(first_segment[t], segment_u) : first_segment[t] >= 0;
+            acc = used ? fmaf(w[k][0], first[t], acc) : acc;
+          }
+          acc += conv.final_state_grad(b, i - P, d);
+          conv.store_state_like(p.dinitial_state, b, i, d, acc);
+        }
+      }
+    }
+    for (int64_t s = c0; s < c1; s += kSegment) {
+      if (s + kSegment < loaded_end) {
+        segment_delta(s + kSegment, next);
+      } else {
+        for (int v = 0; v < V; ++v) {
+          next.delta[v] = 0.0f;
+          next.segment[v] = -1;
+        }
+      }
+      float after[P];
+      int32_t after_segment[P];
+      halo_after<P, V>(current.delta, next.delta, lane, after);
+      halo_after<P, V>(current.segment, next.segment, lane, after_segment);
+      const int64_t t0 = s + lane * V;
+      float g[V];
+      for (int j = 0; j < V; ++j) {  // dx_{t0+j}: tap k of output t0 + j + P - k
+        float acc = 0.0f;
+        for (int k = 0; k < K; ++k) {
+          const int at = j + P - k;
+          if (at < V) {
+            const float tap = fmaf(w[k][0], current.delta[at], acc);
+            acc = (!kMasked || same_segment(current.segment[at], current.segment[j])) ? tap : acc;
+          } else {
+            const int32_t segment_t = after_segment[at - V];
+            const bool used = kMasked ? same_segment(segment_t, current.segment[j]) : segment_t >= 0;
+            acc = used ? fmaf(w[k][0], after[at - V], acc) : acc;
+          }
+        }
+        g[j] = acc;
+      }
+      if (t0 < c1 && t0 + V > p.length - P) {
+        for (int j = 0; j < V; ++j) g[j] += conv.final_state_grad(b, t0 + j, d);
+      }
+      if (t0 < c1) store_vec(dx_row + t0, from_floats<T, V>(g));
+      current = next;
+    }
+    for (int k = 0; k <= K; ++k) {
+      for (int lanes = kLanes / 2; lanes > 0; lanes /= 2) {
+        dw[k] += __shfl_xor_sync(kFullWarp, dw[k], lanes);
+      }
+    }
+    if (lane == 0) {
+      float* out = partials + ((b * chunks + chunk) * p.channels + d) * (K + 1);
+      for (int k = 0; k <= K; ++k) out[k] = dw[k];
+    }
+  }
+}
+
+}  // namespace causal_conv

@@ -1,0 +1,126 @@
+// Building blocks of the vectorized conv kernels (forward_vector.cuh, backward_vector.cuh): how
+// many channels a channel-last thread owns, weights in registers, and the lane-to-lane halos of a
+// warp streaming a channel-first row.
+//
+// The vectorized kernels take a compile-time width K and a compile-time kMasked (seq_idx given):
+// without it the tap loop is K fused multiply-adds per element, with no selects. They accumulate
+// in float (double x takes the generic kernels) and move 8 or 16 bytes per access.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "conv_math.h"
+#include "cuda_vector.cuh"
+
+namespace causal_conv {
+
+constexpr int kThreads = 256;
+constexpr unsigned kFullWarp = 0xffffffffu;
+constexpr int kLanes = 32;
+
+// Channels per thread in the channel-last kernels: one 16-byte access, halved (down to 8-byte
+// accesses) while the thread's K x C weights would pass kBudget registers.
+template <typename T, int K, int kBudget>
+constexpr int channels_per_thread() {
+  int c = kPack<T>;
+  while (c * K > kBudget && c * static_cast<int>(sizeof(T)) > 8) c /= 2;
+  return c;
+}
+
+// The K weights and the bias of channels d0 .. d0 + C - 1 for batch row b.
+template <typename T, int K, int C>
+__device__ __forceinline__ void load_weights(const Conv<T, float, K>& conv, int64_t b, int64_t d0,
+                                             float (&w)[K][C], float (&bias)[C]) {
+  for (int c = 0; c < C; ++c) {
+    const float* row = conv.weight_row(b, d0 + c);
+    for (int k = 0; k < K; ++k) w[k][c] = row[k];
+    bias[c] = conv.bias(b, d0 + c);
+  }
+}
+
+// C consecutive values of a channel-last row at time u as floats, for the halo rows before a
+// tile: the initial state for u < 0 (zeros without one).
+template <typename T, int K, int C>
+__device__ __forceinline__ void load_row(const Conv<T, float, K>& conv, int64_t b, int64_t u,
+                                         int64_t d0, float (&out)[C]) {
+  const ConvParams& p = conv.p;
+  const T* src = nullptr;
+  if (u >= 0) {
+    src = static_cast<const T*>(p.x) + offset(p.x_strides, b, u, d0);
+  } else if (p.initial_state != nullptr) {
+    src = static_cast<const T*>(p.initial_state) + offset(p.state_strides, b, u + K - 1, d0);
+  }
+  to_floats(src == nullptr ? zero_vec<T, C>() : load_readonly<T, C>(src), out);
+}
+
+// N consecutive seq_idx entries (N a multiple of 4, 16-byte aligned), or -1 (no segment) where
+// live is false.
+template <int N>
+__device__ __forceinline__ void load_segments(const int32_t* src, bool live, int32_t (&out)[N]) {
+  static_assert(N % 4 == 0, "segments load in fours");
+  for (int i = 0; i < N; i += 4) {
+    const Vec<int32_t, 4> four = live ? load_readonly<int32_t, 4>(src + i) : Vec<int32_t, 4>{{-1, -1, -1, -1}};
+    for (int j = 0; j < 4; ++j) out[i + j] = four.v[j];
+  }
+}
+
+// ---- channel-first rows: a warp streams a row in segments of 32 packs of V times ----
+// Lane l holds times [s + l V, s + (l + 1) V) of segment s in own[]. Every lane must call these
+// (they shuffle), with the same s.
+
+// out[j] = the value at time s + l V - P + j: from lower lanes, or for the first lanes from carry,
+// which holds the P values before the segment.
+template <int P, int V, typename U>
+__device__ __forceinline__ void halo_before(const U (&own)[V], const U (&carry)[P], int lane,
+                                            U (&out)[P]) {
+#pragma unroll
+  for (int j = 0; j < P; ++j) {
+    const int back = P - j;  // times before the lane's first
+    const int lanes_back = (back + V - 1) / V;
+    U value = __shfl_up_sync(kFullWarp, own[lanes_back * V - back], lanes_back);
+#pragma unroll
+    for (int l = 0; l < (P + V - 1) / V; ++l) {
+      // Only lanes l < lanes_back read the carry, at j + l V < P; the min keeps the (dead)
+      // others' indices in range at compile time.
+      if (l < lanes_back && lane == l) value = carry[j + l * V < P ? j + l * V : P - 1];
+    }
+    out[j] = value;
+  }
+}
+
+// The segment's last P values, which the next segment's halo_before needs as its carry.
+template <int P, int V, typename U>
+__device__ __forceinline__ void segment_tail(const U (&own)[V], U (&carry)[P]) {
+#pragma unroll
+  for (int j = 0; j < P; ++j) {
+    const int at = kLanes * V - P + j;
+    carry[j] = __shfl_sync(kFullWarp, own[at % V], at / V);
+  }
+}
+
+// out[m] = the value at time s + (l + 1) V + m: from higher lanes of this segment (own) or, past
+// lane 31, from the first lanes of the next one (next).
+template <int P, int V, typename U>
+__device__ __forceinline__ void halo_after(const U (&own)[V], const U (&next)[V], int lane,
+                                           U (&out)[P]) {
+#pragma unroll
+  for (int m = 0; m < P; ++m) {
+    const int ahead = 1 + m / V;
+    const int source = (lane + ahead) % kLanes;
+    const U from_own = __shfl_sync(kFullWarp, own[m % V], source);
+    const U from_next = __shfl_sync(kFullWarp, next[m % V], source);
+    out[m] = lane + ahead < kLanes ? from_own : from_next;
+  }
+}
+
+// Segments (of 32 V times) per warp item for channel-first kernels: whole rows when there are
+// enough rows to fill the GPU, else rows cut into about target_items / rows pieces.
+inline int64_t channel_first_chunk(int64_t rows, int64_t length, int64_t segment,
+                                   int64_t target_items) {
+  const int64_t segments = (length + segment - 1) / segment;
+  const int64_t pieces = std::max<int64_t>(1, std::min(segments, target_items / std::max<int64_t>(rows, 1)));
+  return ((segments + pieces - 1) / pieces) * segment;
+}
+
+}  // namespace causal_conv

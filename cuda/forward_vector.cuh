@@ -1,0 +1,139 @@
+// Vectorized forward kernels for compile-time widths (see conv_vector.cuh).
+#pragma once
+
+#include <cstdint>
+
+#include "conv_vector.cuh"
+
+namespace causal_conv {
+
+// Time steps per thread in the channel-last forward: the K-1 halo rows it re-reads come from L2.
+constexpr int64_t kForwardTimeChunk = 32;
+// Rows in flight per thread (RowRing depth): 8 x 16 bytes x 256 threads = 32 KB of shared memory.
+constexpr int kForwardDepth = 8;
+
+// (B, L, D), D a multiple of C: a thread owns C channels over a chunk of time and slides a
+// K-row register window down it; its next rows arrive through a RowRing.
+template <typename T, int K, bool kMasked>
+__global__ void __launch_bounds__(kThreads) forward_channel_last_kernel(ConvParams p) {
+  constexpr int C = channels_per_thread<T, K, 32>();
+  constexpr int P = K - 1;
+  using Row = RawFor<T, C>;
+  using Ring = RowRing<kForwardDepth, 1, Row>;
+  __shared__ Row ring_slots[Ring::kSlots * kThreads];
+  const Ring ring{ring_slots};
+  const Conv<T, float, K> conv{p};
+  const int64_t packs = p.channels / C;
+  const int64_t chunks = (p.length + kForwardTimeChunk - 1) / kForwardTimeChunk;
+  const int64_t total = p.batch * chunks * packs;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t d0 = (i % packs) * C;
+    const int64_t chunk = (i / packs) % chunks, b = i / (packs * chunks);
+    const int64_t t0 = chunk * kForwardTimeChunk;
+    const int steps = static_cast<int>(std::min(int64_t{kForwardTimeChunk}, p.length - t0));
+    const int64_t first = (b * p.length + t0) * p.channels + d0;
+    const T* x_rows = static_cast<const T*>(p.x) + first;
+    T* y_rows = static_cast<T*>(p.y) + first;
+    const int32_t* segment_row = kMasked ? p.seq_idx + b * p.length : nullptr;
+    const auto fetch = [&](int step) {
+      ring.fetch(step, {step < steps ? x_rows + step * p.channels : nullptr});
+    };
+    for (int step = 0; step < kForwardDepth; ++step) fetch(step);
+    float w[K][C], bias[C];
+    load_weights(conv, b, d0, w, bias);
+    float window[K][C];  // window[k] holds x_{t-P+k}
+    int32_t segment[K] = {};
+    for (int k = 0; k < P; ++k) {
+      load_row(conv, b, t0 - P + k, d0, window[k]);
+      if (kMasked) segment[k] = conv.segment(b, t0 - P + k);
+    }
+#pragma unroll 4
+    for (int step = 0; step < steps; ++step) {
+      ring.wait();
+      to_floats(ring.template read<T, C>(0, step), window[P]);
+      fetch(step + kForwardDepth);  // into the slot just read
+      if (kMasked) segment[P] = segment_row[t0 + step];
+      float out[C];
+      for (int c = 0; c < C; ++c) {
+        float z = bias[c];
+        for (int k = 0; k < K; ++k) {
+          const float tap = fmaf(w[k][c], window[k][c], z);
+          z = (!kMasked || same_segment(segment[P], segment[k])) ? tap : z;
+        }
+        out[c] = (kMasked && segment[P] < 0) ? 0.0f : activate(z, p.silu);
+      }
+      store_vec(y_rows + step * p.channels, from_floats<T, C>(out));
+      for (int k = 0; k < P; ++k) {
+        segment[k] = segment[k + 1];
+        for (int c = 0; c < C; ++c) window[k][c] = window[k + 1][c];
+      }
+    }
+  }
+}
+
+// (B, D, L), L a multiple of the pack V: a warp streams chunk_len times of one (b, d) row, lane l
+// owning V consecutive times of each 32 V-time segment; the K-1 inputs before a lane's pack come
+// from its lower neighbours by shuffle. The next segment's pack is loaded before this one's math.
+template <typename T, int K, bool kMasked>
+__global__ void __launch_bounds__(kThreads)
+    forward_channel_first_kernel(ConvParams p, int64_t chunk_len) {
+  constexpr int V = kPack<T>;
+  constexpr int P = K - 1;
+  constexpr int64_t kSegment = kLanes * V;
+  const Conv<T, float, K> conv{p};
+  const int lane = threadIdx.x % kLanes;
+  const int64_t chunks = (p.length + chunk_len - 1) / chunk_len;
+  const int64_t items = p.batch * p.channels * chunks;
+  const int64_t warps_per_grid = int64_t{gridDim.x} * (blockDim.x / kLanes);
+  for (int64_t item = blockIdx.x * int64_t{blockDim.x / kLanes} + threadIdx.x / kLanes;
+       item < items; item += warps_per_grid) {
+    const int64_t chunk = item % chunks, row = item / chunks;
+    const int64_t b = row / p.channels, d = row % p.channels;
+    const int64_t c0 = chunk * chunk_len, c1 = std::min(c0 + chunk_len, p.length);
+    const T* x_row = static_cast<const T*>(p.x) + row * p.length;
+    T* y_row = static_cast<T*>(p.y) + row * p.length;
+    const int32_t* segment_row = kMasked ? p.seq_idx + b * p.length : nullptr;
+    float w[K][1], bias[1];
+    load_weights(conv, b, d, w, bias);
+    float carry[P];
+    int32_t segment_carry[P];
+    for (int j = 0; j < P; ++j) {
+      carry[j] = conv.input(b, c0 - P + j, d);
+      segment_carry[j] = kMasked ? conv.segment(b, c0 - P + j) : 0;
+    }
+    Vec<T, V> next = c0 + lane * V < c1 ? load_readonly<T, V>(x_row + c0 + lane * V) : zero_vec<T, V>();
+    for (int64_t s = c0; s < c1; s += kSegment) {
+      const int64_t t0 = s + lane * V;
+      const bool live = t0 < c1;
+      float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}
+      float own[V];
+      to_floats(next, own);
+      if (t0 + kSegment < c1) next = load_readonly<T, V>(x_row + t0 + kSegment);
+      halo_before<P, V>(own, carry, lane, reinterpret_cast<float(&)[P]>(xs[0]));
+      segment_tail<P, V>(own, carry);
+      for (int v = 0; v < V; ++v) xs[P + v] = own[v];
+      int32_t segments[P + V] = {};
+      if (kMasked) {
+        int32_t own_segments[V];
+        load_segments(segment_row + t0, live, own_segments);
+        halo_before<P, V>(own_segments, segment_carry, lane,
+                          reinterpret_cast<int32_t(&)[P]>(segments[0]));
+        segment_tail<P, V>(own_segments, segment_carry);
+        for (int v = 0; v < V; ++v) segments[P + v] = own_segments[v];
+      }
+      float out[V];
+      for (int v = 0; v < V; ++v) {
+        float z = bias[0];
+        for (int k = 0; k < K; ++k) {
+          const float tap = fmaf(w[k][0], xs[v + k], z);
+          z = (!kMasked || same_segment(segments[P + v], segments[v + k])) ? tap : z;
+        }
+        out[v] = (kMasked && segments[P + v] < 0) ? 0.0f : activate(z, p.silu);
+      }
+      if (live) store_vec(y_row + t0, from_floats<T, V>(out));
+    }
+  }
+}
+
+}  // namespace causal_conv
