@@ -9,8 +9,9 @@
 
 namespace causal_conv {
 
-// Rows of x and dy in flight per thread in the channel-last backward (RowRing depth).
-constexpr int kBackwardDepth = 4;
+// Bytes of x (and as many of dy) in flight per thread in the channel-last backward: a RowRing of
+// 8 rows of 8 bytes or 4 of 16, 32 KB of shared memory per block.
+constexpr int kBackwardRingBytes = 64;
 
 // (B, L, D), D a multiple of C. A thread owns C channels over one tile [t0, t1) and streams s from
 // t0 to t1 + P - 1 with K-row register windows of x, delta and segment ids. At step s it finishes
@@ -22,7 +23,8 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int C = channels_per_thread<T, K, 16>();
   constexpr int P = K - 1;
   using Row = RawFor<T, C>;
-  using Ring = RowRing<kBackwardDepth, 2, Row>;  // x and dy
+  constexpr int kDepth = kBackwardRingBytes / static_cast<int>(sizeof(Row));
+  using Ring = RowRing<kDepth, 2, Row>;  // x and dy
   __shared__ Row ring_slots[Ring::kSlots * kThreads];
   const Ring ring{ring_slots};
   const Conv<T, float, K> conv{p};
@@ -47,7 +49,7 @@ __global__ void __launch_bounds__(kThreads)
       ring.fetch(step, {live ? x_rows + step * p.channels : nullptr,
                         live ? dy_rows + step * p.channels : nullptr});
     };
-    for (int step = 0; step < kBackwardDepth; ++step) fetch(step);
+    for (int step = 0; step < kDepth; ++step) fetch(step);
     float w[K][C], bias[C], dw[K][C] = {}, db[C] = {};
     load_weights(conv, b, d0, w, bias);
     float x[K][C], delta[K][C] = {};
@@ -70,7 +72,7 @@ __global__ void __launch_bounds__(kThreads)
         for (int c = 0; c < C; ++c) x[P][c] = dy[c] = 0.0f;
         segment[P] = -1;
       }
-      fetch(step + kBackwardDepth);  // into the slots just read
+      fetch(step + kDepth);  // into the slots just read
       const bool output = live && !(kMasked && segment[P] < 0);
       for (int c = 0; c < C; ++c) {
         float z = bias[c];
@@ -135,6 +137,9 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Segments whose x and dy packs a channel-first lane has in flight.
+constexpr int kBackwardAhead = 2;
+
 // delta (and segment ids) of one channel-first segment, V times per lane.
 template <int V>
 struct SegmentDelta {
@@ -180,12 +185,27 @@ __global__ void __launch_bounds__(kThreads)
     }
     float dw[K + 1] = {};  // dw[K] is db
 
+    // The lane's x and dy packs of the next kBackwardAhead segments that segment_delta will take.
+    Vec<T, V> x_ahead[kBackwardAhead], dy_ahead[kBackwardAhead];
+    const auto fetch = [&](int64_t s, Vec<T, V>& x_pack, Vec<T, V>& dy_pack) {
+      const int64_t t0 = s + lane * V;
+      x_pack = t0 < loaded_end ? load_readonly<T, V>(x_row + t0) : zero_vec<T, V>();
+      dy_pack = t0 < loaded_end ? load_readonly<T, V>(dy_row + t0) : zero_vec<T, V>();
+    };
+    for (int a = 0; a < kBackwardAhead; ++a) fetch(c0 + a * kSegment, x_ahead[a], dy_ahead[a]);
+
+    // Called for segments c0, c0 + kSegment, ... in order.
     const auto segment_delta = [&](int64_t s, SegmentDelta<V>& out) {
       const int64_t t0 = s + lane * V;
       const bool exists = t0 < loaded_end;
       float own[V], dy[V];
-      to_floats(exists ? load_readonly<T, V>(x_row + t0) : zero_vec<T, V>(), own);
-      to_floats(exists ? load_readonly<T, V>(dy_row + t0) : zero_vec<T, V>(), dy);
+      to_floats(x_ahead[0], own);
+      to_floats(dy_ahead[0], dy);
+      for (int a = 0; a + 1 < kBackwardAhead; ++a) {
+        x_ahead[a] = x_ahead[a + 1];
+        dy_ahead[a] = dy_ahead[a + 1];
+      }
+      fetch(s + kBackwardAhead * kSegment, x_ahead[kBackwardAhead - 1], dy_ahead[kBackwardAhead - 1]);
       float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}
       halo_before<P, V>(own, carry, lane, reinterpret_cast<float(&)[P]>(xs[0]));
       segment_tail<P, V>(own, carry);
@@ -254,11 +274,15 @@ __global__ void __launch_bounds__(kThreads)
           next.segment[v] = -1;
         }
       }
-      float after[P];
-      int32_t after_segment[P];
-      halo_after<P, V>(current.delta, next.delta, lane, after);
-      halo_after<P, V>(current.segment, next.segment, lane, after_segment);
       const int64_t t0 = s + lane * V;
+      float after[P];
+      int32_t after_segment[P];  // without seq_idx: 0 where the time exists, else -1
+      halo_after<P, V>(current.delta, next.delta, lane, after);
+      if (kMasked) {
+        halo_after<P, V>(current.segment, next.segment, lane, after_segment);
+      } else {
+        for (int m = 0; m < P; ++m) after_segment[m] = t0 + V + m < p.length ? 0 : -1;
+      }
       float g[V];
       for (int j = 0; j < V; ++j) {  // dx_{t0+j}: tap k of output t0 + j + P - k
         float acc = 0.0f;

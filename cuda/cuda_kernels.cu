@@ -203,8 +203,9 @@ void launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
   if (p.channel_last) {
     constexpr int C = channels_per_thread<T, K, 32>();
     const int64_t chunks = (p.length + kForwardTimeChunk - 1) / kForwardTimeChunk;
-    forward_channel_last_kernel<T, K, kMasked>
-        <<<grid_for(p.batch * chunks * (p.channels / C)), kThreads, 0, stream>>>(p);
+    const int64_t threads = p.batch * chunks * (p.channels / C);
+    const int64_t blocks = std::min(kMaxGridBlocks, (threads + kForwardThreads - 1) / kForwardThreads);
+    forward_channel_last_kernel<T, K, kMasked><<<blocks, kForwardThreads, 0, stream>>>(p);
   } else {
     const int64_t chunk_len = channel_first_chunk(p.batch * p.channels, p.length,
                                                   kLanes * kPack<T>, kForwardRowItems);
