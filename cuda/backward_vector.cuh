@@ -4,29 +4,40 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "conv_vector.cuh"
 
 namespace causal_conv {
 
 // Bytes of x (and as many of dy) in flight per thread in the channel-last backward: a RowRing of
-// 8 rows of 8 bytes or 4 of 16, 32 KB of shared memory per block.
+// 8 rows of 8 bytes or 4 of 16; with seq_idx a third ring of as many 4-byte ids.
 constexpr int kBackwardRingBytes = 64;
+// Threads per channel-last backward block: at about 100 registers per thread, blocks of 128 let
+// five share an SM where blocks of 256 fit twice.
+constexpr int kBackwardThreads = 128;
 
 // (B, L, D), D a multiple of C. A thread owns C channels over one tile [t0, t1) and streams s from
 // t0 to t1 + P - 1 with K-row register windows of x, delta and segment ids. At step s it finishes
 // delta_s, adds delta_s's dw/db terms when it owns s, and emits dx_{s-P}, whose deltas (s-P .. s)
 // are all in the window by then.
+//
+// Steps P .. owned - 1 are interior: the rows exist, the thread owns them and every tap of
+// dx_{s-P} has its output in [0, L). They run a copy of the step with none of the edge tests,
+// unrolled K times so that the window shifts are register renaming rather than moves; the first
+// and last P steps run the checked copy.
 template <typename T, int K, bool kMasked>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kBackwardThreads)
     backward_channel_last_kernel(ConvParams p, float* partials, int64_t tile_len, int64_t tiles) {
   constexpr int C = channels_per_thread<T, K, 16>();
   constexpr int P = K - 1;
   using Row = RawFor<T, C>;
   constexpr int kDepth = kBackwardRingBytes / static_cast<int>(sizeof(Row));
-  using Ring = RowRing<kDepth, 2, Row>;  // x and dy
-  __shared__ Row ring_slots[Ring::kSlots * kThreads];
-  const Ring ring{ring_slots};
+  __shared__ Row x_slots[kDepth * kBackwardThreads];
+  __shared__ Row dy_slots[kDepth * kBackwardThreads];
+  __shared__ int32_t segment_slots[kMasked ? kDepth * kBackwardThreads : 1];
+  const RowRing<kDepth, Row, kBackwardThreads> x_ring{x_slots}, dy_ring{dy_slots};
+  const RowRing<kDepth, int32_t, kBackwardThreads> segment_ring{segment_slots};
   const Conv<T, float, K> conv{p};
   const int64_t packs = p.channels / C;
   const int64_t total = p.batch * tiles * packs;
@@ -40,14 +51,19 @@ __global__ void __launch_bounds__(kThreads)
     // Step j streams time t0 + j: the tile and the P rows after it that exist.
     const int live_steps = static_cast<int>(std::min<int64_t>(owned + P, p.length - t0));
     const int64_t first = (b * p.length + t0) * p.channels + d0;
-    const T* x_rows = static_cast<const T*>(p.x) + first;
-    const T* dy_rows = static_cast<const T*>(p.dy) + first;
-    T* dx_rows = static_cast<T*>(p.dx) + first;
-    const int32_t* segment_row = kMasked ? p.seq_idx + b * p.length : nullptr;
+    const T* x_next = static_cast<const T*>(p.x) + first;  // the rows of the next fetch
+    const T* dy_next = static_cast<const T*>(p.dy) + first;
+    const int32_t* segment_next = kMasked ? p.seq_idx + b * p.length + t0 : nullptr;
+    T* dx_row = static_cast<T*>(p.dx) + first - P * p.channels;  // dx_{s-P} of the current step
     const auto fetch = [&](int step) {
       const bool live = step < live_steps;
-      ring.fetch(step, {live ? x_rows + step * p.channels : nullptr,
-                        live ? dy_rows + step * p.channels : nullptr});
+      x_ring.fetch(step, x_next, live);
+      dy_ring.fetch(step, dy_next, live);
+      if (kMasked) segment_ring.fetch(step, segment_next, live);
+      ring_commit();
+      x_next += p.channels;
+      dy_next += p.channels;
+      if (kMasked) ++segment_next;
     };
     for (int step = 0; step < kDepth; ++step) fetch(step);
     float w[K][C], bias[C], dw[K][C] = {}, db[C] = {};
@@ -58,16 +74,17 @@ __global__ void __launch_bounds__(kThreads)
       load_row(conv, b, t0 - P + k, d0, x[k]);
       if (kMasked) segment[k] = conv.segment(b, t0 - P + k);
     }
-#pragma unroll 2
-    for (int step = 0; step < owned + P; ++step) {
+    // One step; interior is std::true_type on the interior steps (see above).
+    const auto step_at = [&](int step, auto interior) {
+      constexpr bool kInterior = decltype(interior)::value;
       const int64_t s = t0 + step;
-      const bool live = step < live_steps;
+      const bool live = kInterior || step < live_steps;
       float dy[C];
-      ring.wait();
+      ring_wait<kDepth - 1>();
       if (live) {
-        to_floats(ring.template read<T, C>(0, step), x[P]);
-        to_floats(ring.template read<T, C>(1, step), dy);
-        if (kMasked) segment[P] = segment_row[s];
+        to_floats(x_ring.template read<T, C>(step), x[P]);
+        to_floats(dy_ring.template read<T, C>(step), dy);
+        if (kMasked) segment[P] = segment_ring.read(step);
       } else {
         for (int c = 0; c < C; ++c) x[P][c] = dy[c] = 0.0f;
         segment[P] = -1;
@@ -82,7 +99,7 @@ __global__ void __launch_bounds__(kThreads)
         }
         delta[P][c] = output ? dy[c] * activation_grad(z, p.silu) : 0.0f;
       }
-      if (step < owned) {
+      if (kInterior || step < owned) {
         for (int c = 0; c < C; ++c) {
           db[c] += delta[P][c];
           for (int k = 0; k < K; ++k) {
@@ -92,35 +109,30 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
       const int64_t u = s - P;  // tap k of output time s - k reads x_u; its delta is delta[P - k]
-      if (u >= first_u) {
+      if (kInterior || u >= first_u) {
         // Taps of outputs outside [0, L) are skipped, not multiplied by a zero delta: a
         // non-finite weight must reach dx only through outputs that exist, as in the reference.
+        const bool outputs_exist = kInterior || (u >= 0 && s < p.length);
         float g[C];
-        if (!kMasked && u >= 0 && s < p.length) {  // every tap's output exists
-          for (int c = 0; c < C; ++c) {
-            g[c] = 0.0f;
-            for (int k = 0; k < K; ++k) g[c] = fmaf(w[k][c], delta[P - k][c], g[c]);
-          }
-        } else {
-          for (int c = 0; c < C; ++c) {
-            g[c] = 0.0f;
-            for (int k = 0; k < K; ++k) {
-              const bool used = s - k >= 0 && s - k < p.length &&
-                                (!kMasked || same_segment(segment[P - k], segment[0]));
-              g[c] = used ? fmaf(w[k][c], delta[P - k][c], g[c]) : g[c];
-            }
+        for (int c = 0; c < C; ++c) {
+          g[c] = 0.0f;
+          for (int k = 0; k < K; ++k) {
+            const bool used = (outputs_exist || (s - k >= 0 && s - k < p.length)) &&
+                              (!kMasked || same_segment(segment[P - k], segment[0]));
+            g[c] = used ? fmaf(w[k][c], delta[P - k][c], g[c]) : g[c];
           }
         }
-        if (u >= p.length - P) {
+        if (!kInterior && u >= p.length - P) {
           for (int c = 0; c < C; ++c) g[c] += conv.final_state_grad(b, u, d0 + c);
         }
-        if (u >= 0) {
-          store_vec(dx_rows + (step - P) * p.channels, from_floats<T, C>(g));
+        if (kInterior || u >= 0) {
+          store_vec(dx_row, from_floats<T, C>(g));
         } else {
           store_vec(static_cast<T*>(p.dinitial_state) + offset(p.state_strides, b, u + P, d0),
                     from_floats<T, C>(g));
         }
       }
+      dx_row += p.channels;
       for (int k = 0; k < P; ++k) {
         segment[k] = segment[k + 1];
         for (int c = 0; c < C; ++c) {
@@ -128,7 +140,19 @@ __global__ void __launch_bounds__(kThreads)
           delta[k][c] = delta[k + 1][c];
         }
       }
+    };
+    int step = 0;
+#pragma unroll 1
+    for (; step < P; ++step) step_at(step, std::false_type{});
+#pragma unroll 1
+    for (; step + K <= owned; step += K) {
+#pragma unroll
+      for (int j = 0; j < K; ++j) step_at(step + j, std::true_type{});
     }
+#pragma unroll 1
+    for (; step < owned; ++step) step_at(step, std::true_type{});
+#pragma unroll 1
+    for (; step < owned + P; ++step) step_at(step, std::false_type{});
     float* out = partials + ((b * tiles + tile) * p.channels + d0) * (K + 1);
     for (int c = 0; c < C; ++c) {
       for (int k = 0; k < K; ++k) out[c * (K + 1) + k] = dw[k][c];

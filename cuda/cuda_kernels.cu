@@ -230,8 +230,10 @@ int64_t launch_vector_backward(cudaStream_t stream, const ConvParams& p, float* 
     const int64_t long_tiles = (p.length + 2 * kTileLen - 1) / (2 * kTileLen);
     const int64_t tile_len = p.batch * long_tiles * packs >= kBackwardMinThreads ? 2 * kTileLen : kTileLen;
     const int64_t tiles = (p.length + tile_len - 1) / tile_len;
+    const int64_t threads = p.batch * tiles * packs;
+    const int64_t blocks = std::min(kMaxGridBlocks, (threads + kBackwardThreads - 1) / kBackwardThreads);
     backward_channel_last_kernel<T, K, kMasked>
-        <<<grid_for(p.batch * tiles * packs), kThreads, 0, stream>>>(p, partials, tile_len, tiles);
+        <<<blocks, kBackwardThreads, 0, stream>>>(p, partials, tile_len, tiles);
     return tiles;
   }
   const int64_t chunk_len = channel_first_chunk(p.batch * p.channels, p.length,

@@ -4,7 +4,6 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -103,9 +102,20 @@ __device__ __forceinline__ void store_vec(T* dst, const Vec<T, N>& value) {
 }
 
 // N elements of T as floats, and back (16-bit pairs convert with one instruction).
+// A bfloat16 is the high half of a float, so a pair widens with one shift and one mask (the
+// conversion intrinsics spend an extra PRMT on the high element).
 template <typename T, int N>
 __device__ __forceinline__ void to_floats(const Vec<T, N>& in, float (&out)[N]) {
-  for (int v = 0; v < N; ++v) out[v] = static_cast<float>(in.v[v]);
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && N % 2 == 0) {
+    for (int v = 0; v < N; v += 2) {
+      uint32_t pair;
+      memcpy(&pair, &in.v[v], sizeof pair);
+      out[v] = __uint_as_float(pair << 16);
+      out[v + 1] = __uint_as_float(pair & 0xffff0000u);
+    }
+  } else {
+    for (int v = 0; v < N; ++v) out[v] = static_cast<float>(in.v[v]);
+  }
 }
 
 template <typename T, int N>
@@ -127,42 +137,61 @@ __device__ __forceinline__ Vec<T, N> from_floats(const float (&in)[N]) {
   return out;
 }
 
-// Per-thread rows (one Row word: 8 or 16 bytes) of kArrays buffers, fetched kDepth steps ahead with cp.async into
-// shared memory. A copy in flight holds no registers; with the rows loaded into registers one step
-// ahead, register pressure capped the vectorized kernels at 12-24% of warps active and DRAM at
-// 16-28% of peak (ncu). Each thread reads back only the slots it filled, so the only
-// synchronisation is the thread's own wait for its copies. Use: fetch steps 0 .. kDepth-1, then per
-// step s: wait(), read(s, ...), and once those bytes are consumed, fetch(s + kDepth, ...) into the
-// slots just read. Every fetch commits one copy group, empty when its sources are null, so that
-// wait() always finds step s's group kDepth - 1 groups from the newest.
-template <int kDepth, int kArrays, typename Row = uint4>
+// Per-thread rows (one Row word of 4, 8 or 16 bytes) of one buffer, fetched kDepth steps ahead
+// with cp.async into shared memory. A copy in flight holds no registers; with the rows loaded into
+// registers one step ahead, register pressure capped the vectorized kernels at 12-24% of warps
+// active and DRAM at 16-28% of peak (ncu). Each thread reads back only the slots it filled, so the
+// only synchronisation is the thread's own wait for its copies. Use: fetch steps 0 .. kDepth-1,
+// then per step s: ring_wait<kDepth - 1>(), read(s), and once those bytes are consumed, fetch
+// step s + kDepth into the slot just read; every step's fetches (of all rings, live or not) end
+// with one ring_commit(), so that the wait always finds step s's group kDepth - 1 groups from the
+// newest. The slot addresses are computed once: converting a generic pointer to the shared window
+// per copy cost the step loop a special-register read and two address instructions per copy.
+template <int kDepth, typename Row, int kBlockThreads>
 struct RowRing {
   static_assert((kDepth & (kDepth - 1)) == 0, "kDepth must be a power of two");
-  static constexpr int kSlots = kDepth * kArrays;  // Row slots per thread
+  static constexpr int kSlots = kDepth * kBlockThreads;  // Row slots per block: [depth][thread]
+  static constexpr int kBytes = static_cast<int>(sizeof(Row));
+  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async moves 4, 8 or 16 bytes");
 
-  Row* slots;  // [array][depth][thread] in shared memory: neighbouring threads, neighbouring banks
+  const Row* mine;      // the thread's slot at depth 0; neighbouring threads, neighbouring banks
+  uint32_t mine_shared;  // the same slot as a shared-window address, for cp.async
 
-  __device__ __forceinline__ Row* slot(int array, int64_t step) const {
-    const int depth = static_cast<int>(step & (kDepth - 1));
-    return slots + (array * kDepth + depth) * blockDim.x + threadIdx.x;
-  }
+  __device__ __forceinline__ explicit RowRing(Row* slots)
+      : mine(slots + threadIdx.x),
+        mine_shared(static_cast<uint32_t>(__cvta_generic_to_shared(slots + threadIdx.x))) {}
 
-  // Starts the copies of step's rows, src[a] for array a (none for a null source).
-  __device__ __forceinline__ void fetch(int64_t step, const void* const (&src)[kArrays]) const {
-    for (int a = 0; a < kArrays; ++a) {
-      if (src[a] != nullptr) __pipeline_memcpy_async(slot(a, step), src[a], sizeof(Row));
+  // Starts the copy of step's row from src, if live.
+  __device__ __forceinline__ void fetch(int step, const void* src, bool live) const {
+    const uint32_t dst = mine_shared + (step & (kDepth - 1)) * (kBlockThreads * kBytes);
+    if (live) {
+      if constexpr (kBytes == 16) {  // .cg: streamed rows need no L1 copy
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+      } else {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(src), "n"(kBytes)
+                     : "memory");
+      }
     }
-    __pipeline_commit();
   }
 
-  // Waits for the oldest step in flight.
-  __device__ __forceinline__ void wait() const { __pipeline_wait_prior(kDepth - 1); }
+  __device__ __forceinline__ Row read(int step) const {
+    return mine[(step & (kDepth - 1)) * kBlockThreads];
+  }
 
   template <typename T, int N>
-  __device__ __forceinline__ Vec<T, N> read(int array, int64_t step) const {
+  __device__ __forceinline__ Vec<T, N> read(int step) const {
     static_assert(sizeof(Vec<T, N>) == sizeof(Row), "a row is one Row word");
-    return from_raw<T, N>(*slot(array, step));
+    return from_raw<T, N>(read(step));
   }
 };
+
+// Closes the copy group of one step's fetches.
+__device__ __forceinline__ void ring_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Waits until at most kPending copy groups are in flight.
+template <int kPending>
+__device__ __forceinline__ void ring_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
 
 }  // namespace causal_conv

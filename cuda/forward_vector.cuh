@@ -8,7 +8,7 @@
 namespace causal_conv {
 
 // Rows in flight per thread (RowRing depth) and threads per block: 16 x 8 bytes x 128 threads =
-// 16 KB of shared memory per block.
+// 16 KB of shared memory per block (and 8 KB more for the seq_idx ring).
 constexpr int kForwardDepth = 16;
 constexpr int kForwardThreads = 128;
 // Channels per channel-last forward thread: kForwardBudget / K taps, 8-byte accesses for 16-bit x
@@ -17,16 +17,18 @@ constexpr int kForwardThreads = 128;
 constexpr int kForwardBudget = 16;
 
 // (B, L, D), D a multiple of C: a thread owns C channels over time_chunk steps and slides a
-// K-row register window down them; its next rows arrive through a RowRing.
+// K-row register window down them; its next rows (and with seq_idx their ids) arrive through
+// RowRings. The step loop is unrolled K times, so that the window shifts are register renaming.
 template <typename T, int K, bool kMasked>
 __global__ void __launch_bounds__(kForwardThreads)
     forward_channel_last_kernel(ConvParams p, int64_t time_chunk) {
   constexpr int C = channels_per_thread<T, K, kForwardBudget>();
   constexpr int P = K - 1;
   using Row = RawFor<T, C>;
-  using Ring = RowRing<kForwardDepth, 1, Row>;
-  __shared__ Row ring_slots[Ring::kSlots * kForwardThreads];
-  const Ring ring{ring_slots};
+  __shared__ Row x_slots[kForwardDepth * kForwardThreads];
+  __shared__ int32_t segment_slots[kMasked ? kForwardDepth * kForwardThreads : 1];
+  const RowRing<kForwardDepth, Row, kForwardThreads> x_ring{x_slots};
+  const RowRing<kForwardDepth, int32_t, kForwardThreads> segment_ring{segment_slots};
   const Conv<T, float, K> conv{p};
   const int64_t packs = p.channels / C;
   const int64_t chunks = (p.length + time_chunk - 1) / time_chunk;
@@ -38,11 +40,16 @@ __global__ void __launch_bounds__(kForwardThreads)
     const int64_t t0 = chunk * time_chunk;
     const int steps = static_cast<int>(std::min(time_chunk, p.length - t0));
     const int64_t first = (b * p.length + t0) * p.channels + d0;
-    const T* x_rows = static_cast<const T*>(p.x) + first;
-    T* y_rows = static_cast<T*>(p.y) + first;
-    const int32_t* segment_row = kMasked ? p.seq_idx + b * p.length : nullptr;
+    const T* x_next = static_cast<const T*>(p.x) + first;  // the row of the next fetch
+    const int32_t* segment_next = kMasked ? p.seq_idx + b * p.length + t0 : nullptr;
+    T* y_row = static_cast<T*>(p.y) + first;
     const auto fetch = [&](int step) {
-      ring.fetch(step, {step < steps ? x_rows + step * p.channels : nullptr});
+      const bool live = step < steps;
+      x_ring.fetch(step, x_next, live);
+      if (kMasked) segment_ring.fetch(step, segment_next, live);
+      ring_commit();
+      x_next += p.channels;
+      if (kMasked) ++segment_next;
     };
     for (int step = 0; step < kForwardDepth; ++step) fetch(step);
     float w[K][C], bias[C];
@@ -53,12 +60,11 @@ __global__ void __launch_bounds__(kForwardThreads)
       load_row(conv, b, t0 - P + k, d0, window[k]);
       if (kMasked) segment[k] = conv.segment(b, t0 - P + k);
     }
-#pragma unroll 4
-    for (int step = 0; step < steps; ++step) {
-      ring.wait();
-      to_floats(ring.template read<T, C>(0, step), window[P]);
-      fetch(step + kForwardDepth);  // into the slot just read
-      if (kMasked) segment[P] = segment_row[t0 + step];
+    const auto step_at = [&](int step) {
+      ring_wait<kForwardDepth - 1>();
+      to_floats(x_ring.template read<T, C>(step), window[P]);
+      if (kMasked) segment[P] = segment_ring.read(step);
+      fetch(step + kForwardDepth);  // into the slots just read
       float out[C];
       for (int c = 0; c < C; ++c) {
         float z = bias[c];
@@ -68,12 +74,21 @@ __global__ void __launch_bounds__(kForwardThreads)
         }
         out[c] = (kMasked && segment[P] < 0) ? 0.0f : activate(z, p.silu);
       }
-      store_vec(y_rows + step * p.channels, from_floats<T, C>(out));
+      store_vec(y_row, from_floats<T, C>(out));
+      y_row += p.channels;
       for (int k = 0; k < P; ++k) {
         segment[k] = segment[k + 1];
         for (int c = 0; c < C; ++c) window[k][c] = window[k + 1][c];
       }
+    };
+    int step = 0;
+#pragma unroll 1
+    for (; step + K <= steps; step += K) {
+#pragma unroll
+      for (int j = 0; j < K; ++j) step_at(step + j);
     }
+#pragma unroll 1
+    for (; step < steps; ++step) step_at(step);
   }
 }
 
