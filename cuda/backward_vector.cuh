@@ -13,9 +13,17 @@ namespace causal_conv {
 // Bytes of x (and as many of dy) in flight per thread in the channel-last backward: a RowRing of
 // 8 rows of 8 bytes or 4 of 16; with seq_idx a third ring of as many 4-byte ids.
 constexpr int kBackwardRingBytes = 64;
-// Threads per channel-last backward block: at about 100 registers per thread, blocks of 128 let
-// five share an SM where blocks of 256 fit twice.
+// Threads per channel-last backward block, and weights per thread (K x C).
 constexpr int kBackwardThreads = 128;
+constexpr int kBackwardBudget = 16;
+
+// Blocks per SM the register allocation must allow. Up to 16 weights a thread needs about 132
+// registers, 3 blocks of 128 per SM; capped at 128 (4 blocks) the main workload's backward took
+// 131.5 us against 135.7. Wider or masked kernels keep what they need: the cap makes them spill.
+template <typename T, int K, bool kMasked>
+constexpr int backward_min_blocks() {
+  return !kMasked && channels_per_thread<T, K, kBackwardBudget>() * K <= 16 ? 4 : 1;
+}
 
 // (B, L, D), D a multiple of C. A thread owns C channels over one tile [t0, t1) and streams s from
 // t0 to t1 + P - 1 with K-row register windows of x, delta and segment ids. At step s it finishes
@@ -27,9 +35,9 @@ constexpr int kBackwardThreads = 128;
 // unrolled K times so that the window shifts are register renaming rather than moves; the first
 // and last P steps run the checked copy.
 template <typename T, int K, bool kMasked>
-__global__ void __launch_bounds__(kBackwardThreads)
+__global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K, kMasked>())
     backward_channel_last_kernel(ConvParams p, float* partials, int64_t tile_len, int64_t tiles) {
-  constexpr int C = channels_per_thread<T, K, 16>();
+  constexpr int C = channels_per_thread<T, K, kBackwardBudget>();
   constexpr int P = K - 1;
   using Row = RawFor<T, C>;
   constexpr int kDepth = kBackwardRingBytes / static_cast<int>(sizeof(Row));
@@ -50,19 +58,17 @@ __global__ void __launch_bounds__(kBackwardThreads)
     const int64_t first_u = (tile == 0 && p.dinitial_state != nullptr) ? -P : t0;
     // Step j streams time t0 + j: the tile and the P rows after it that exist.
     const int live_steps = static_cast<int>(std::min<int64_t>(owned + P, p.length - t0));
-    const int64_t first = (b * p.length + t0) * p.channels + d0;
-    const T* x_next = static_cast<const T*>(p.x) + first;  // the rows of the next fetch
-    const T* dy_next = static_cast<const T*>(p.dy) + first;
+    // One element offset serves x, dy and dx (three pointers cost registers the cap above lacks):
+    // the offset of the next fetch's row, kDepth rows after the current step's.
+    int64_t next_row = (b * p.length + t0) * p.channels + d0;
     const int32_t* segment_next = kMasked ? p.seq_idx + b * p.length + t0 : nullptr;
-    T* dx_row = static_cast<T*>(p.dx) + first - P * p.channels;  // dx_{s-P} of the current step
     const auto fetch = [&](int step) {
       const bool live = step < live_steps;
-      x_ring.fetch(step, x_next, live);
-      dy_ring.fetch(step, dy_next, live);
+      x_ring.fetch(step, static_cast<const T*>(p.x) + next_row, live);
+      dy_ring.fetch(step, static_cast<const T*>(p.dy) + next_row, live);
       if (kMasked) segment_ring.fetch(step, segment_next, live);
       ring_commit();
-      x_next += p.channels;
-      dy_next += p.channels;
+      next_row += p.channels;
       if (kMasked) ++segment_next;
     };
     for (int step = 0; step < kDepth; ++step) fetch(step);
@@ -126,13 +132,13 @@ __global__ void __launch_bounds__(kBackwardThreads)
           for (int c = 0; c < C; ++c) g[c] += conv.final_state_grad(b, u, d0 + c);
         }
         if (kInterior || u >= 0) {
-          store_vec(dx_row, from_floats<T, C>(g));
+          store_vec(static_cast<T*>(p.dx) + next_row - (kDepth + 1 + P) * p.channels,
+                    from_floats<T, C>(g));
         } else {
           store_vec(static_cast<T*>(p.dinitial_state) + offset(p.state_strides, b, u + P, d0),
                     from_floats<T, C>(g));
         }
       }
-      dx_row += p.channels;
       for (int k = 0; k < P; ++k) {
         segment[k] = segment[k + 1];
         for (int c = 0; c < C; ++c) {

@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -195,23 +196,71 @@ int64_t grid_for_warps(int64_t items) { return grid_for(items * kLanes); }
 // backward's are dearer to split, see backward_channel_first_kernel).
 constexpr int64_t kForwardRowItems = 32768;
 constexpr int64_t kBackwardRowItems = 16384;
-// Channel-last threads below which the forward's chunks shrink from 64 to 32 steps and the
-// backward's tiles from 128 to kTileLen (about 2 waves of blocks on an H200).
-constexpr int64_t kForwardMinThreads = 65536;
-constexpr int64_t kBackwardMinThreads = 65536;
+// Threads of kKernel (launched in blocks of block_threads) that the device holds at once, or 0 if
+// the runtime cannot say. Cached per device: the occupancy query costs host time on every launch.
+template <auto kKernel>
+int64_t resident_threads(int block_threads) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int64_t> cached[kMaxDevices] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
+    cudaGetLastError();  // a failed query must not surface as the launch's error
+    return 0;
+  }
+  if (const int64_t known = cached[device].load(std::memory_order_relaxed); known > 0) return known;
+  int sms = 0, blocks = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, block_threads, 0) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  const int64_t resident = int64_t{sms} * blocks * block_threads;
+  cached[device].store(resident, std::memory_order_relaxed);
+  return resident;
+}
+
+// Time steps per thread for the channel-last kernels, whose threads each stream one column (batch
+// row, channel pack) over a piece of the time axis. A partial last wave of threads leaves SMs
+// idle (the main workload's forward in 64-step pieces ran 2.6 waves), so this sizes the pieces to
+// fill whole waves of resident threads: of the splits into 1 to 4 full waves (or whole columns,
+// when there are more columns than resident threads), the one with the least waves x (steps +
+// prologue_steps), the prologue being a thread's weights, halo rows and first wait.
+inline int64_t steps_per_thread(int64_t columns, int64_t length, int64_t resident,
+                                int64_t min_steps, int64_t prologue_steps) {
+  constexpr int64_t kMaxSteps = int64_t{1} << 24;  // the kernels count steps in an int
+  const auto clamp = [&](int64_t steps) { return std::min(kMaxSteps, std::max(min_steps, steps)); };
+  if (resident <= 0) return clamp(64);
+  int64_t best_steps = clamp(length), best_cost = -1;
+  for (int64_t waves = 0; waves <= 4; ++waves) {
+    const int64_t pieces = std::max<int64_t>(1, waves * resident / std::max<int64_t>(columns, 1));
+    const int64_t steps = clamp((length + pieces - 1) / pieces);
+    const int64_t threads = columns * ((length + steps - 1) / steps);
+    const int64_t cost = (threads + resident - 1) / resident * (steps + prologue_steps);
+    if (best_cost < 0 || cost < best_cost) {
+      best_cost = cost;
+      best_steps = steps;
+    }
+  }
+  return best_steps;
+}
+
+// A thread's prologue as a cost in steps, and the forward's shortest pieces (the backward's tiles
+// are at least kTileLen long: its workspace holds tile_count(L) slices of dw/db sums per row).
+constexpr int64_t kPrologueSteps = 16;
+constexpr int64_t kForwardMinSteps = 16;
 
 template <typename T, int K, bool kMasked>
 void launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
   if (p.channel_last) {
     constexpr int C = channels_per_thread<T, K, kForwardBudget>();
-    const int64_t packs = p.channels / C;
-    // 64 steps per thread (fewer prologues: weights, halo rows, the ring's first wait) unless
-    // that leaves too few threads; 64 against 32 took the main workload from 104 to 85 us.
-    const int64_t long_chunks = (p.length + 63) / 64;
-    const int64_t time_chunk = p.batch * long_chunks * packs >= kForwardMinThreads ? 64 : 32;
-    const int64_t threads = p.batch * ((p.length + time_chunk - 1) / time_chunk) * packs;
+    constexpr auto kernel = forward_channel_last_kernel<T, K, kMasked>;
+    const int64_t columns = p.batch * (p.channels / C);
+    const int64_t time_chunk =
+        steps_per_thread(columns, p.length, resident_threads<kernel>(kForwardThreads),
+                         kForwardMinSteps, kPrologueSteps);
+    const int64_t threads = columns * ((p.length + time_chunk - 1) / time_chunk);
     const int64_t blocks = std::min(kMaxGridBlocks, (threads + kForwardThreads - 1) / kForwardThreads);
-    forward_channel_last_kernel<T, K, kMasked><<<blocks, kForwardThreads, 0, stream>>>(p, time_chunk);
+    kernel<<<blocks, kForwardThreads, 0, stream>>>(p, time_chunk);
   } else {
     const int64_t chunk_len = channel_first_chunk(p.batch * p.channels, p.length,
                                                   kLanes * kPack<T>, kForwardRowItems);
@@ -225,15 +274,16 @@ void launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
 template <typename T, int K, bool kMasked>
 int64_t launch_vector_backward(cudaStream_t stream, const ConvParams& p, float* partials) {
   if (p.channel_last) {
-    constexpr int C = channels_per_thread<T, K, 16>();
-    const int64_t packs = p.channels / C;
-    const int64_t long_tiles = (p.length + 2 * kTileLen - 1) / (2 * kTileLen);
-    const int64_t tile_len = p.batch * long_tiles * packs >= kBackwardMinThreads ? 2 * kTileLen : kTileLen;
+    constexpr int C = channels_per_thread<T, K, kBackwardBudget>();
+    constexpr auto kernel = backward_channel_last_kernel<T, K, kMasked>;
+    const int64_t columns = p.batch * (p.channels / C);
+    const int64_t tile_len =
+        steps_per_thread(columns, p.length, resident_threads<kernel>(kBackwardThreads), kTileLen,
+                         kPrologueSteps + K - 1);
     const int64_t tiles = (p.length + tile_len - 1) / tile_len;
-    const int64_t threads = p.batch * tiles * packs;
+    const int64_t threads = columns * tiles;
     const int64_t blocks = std::min(kMaxGridBlocks, (threads + kBackwardThreads - 1) / kBackwardThreads);
-    backward_channel_last_kernel<T, K, kMasked>
-        <<<blocks, kBackwardThreads, 0, stream>>>(p, partials, tile_len, tiles);
+    kernel<<<blocks, kBackwardThreads, 0, stream>>>(p, partials, tile_len, tiles);
     return tiles;
   }
   const int64_t chunk_len = channel_first_chunk(p.batch * p.channels, p.length,
