@@ -2,14 +2,16 @@
 // channels independent pieces of work; neighbouring threads take neighbouring channels.
 //
 // The common step (one token, a K-1 slot state, compile-time K) has its own kernel: a thread owns
-// a vector of channels, loads the token, its history and the weights before it writes anything,
-// then writes y and the state. The generic kernel runs update_math.h one channel at a time, whose
-// in-place state shift alternates loads and stores, so each state slot costs a memory round trip.
+// a vector of channels in a few batch rows, loads the weights once and every row's token and
+// history before it writes anything, then writes y and the state. The generic kernel runs
+// update_math.h one channel at a time, whose in-place state shift alternates loads and stores, so
+// each state slot costs a memory round trip.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <limits>
 #include <string>
 
 #include "cuda_vector.cuh"
@@ -32,66 +34,150 @@ __global__ void update_kernel(UpdateParams p) {
   }
 }
 
-// The K taps of one channel. With V channels per thread, scalar tap loads would be 32-line
-// gathers per warp (lanes K * V accumulators apart); whole rows as one 8- or 16-byte load where
-// K taps make one.
-template <typename A, int K>
-struct Taps {
-  A v[K];
-};
-
-template <typename A, int K>
-__device__ __forceinline__ Taps<A, K> load_taps(const A* row) {
-  Taps<A, K> taps;
-  if constexpr (sizeof(A) * K == 8 || sizeof(A) * K == 16) {
-    if (reinterpret_cast<uintptr_t>(row) % sizeof(Vec<A, K>) == 0) {
-      const Vec<A, K> packed = *reinterpret_cast<const Vec<A, K>*>(row);
-      for (int k = 0; k < K; ++k) taps.v[k] = packed.v[k];
-      return taps;
+// N consecutive values of a buffer no thread of the kernel writes (weights, bias): 16-byte loads
+// where the launch has checked the alignment, else one load per value.
+template <typename A, int N, bool kWide>
+__device__ __forceinline__ void load_constants(const A* src, A (&out)[N]) {
+  constexpr int W = 16 / static_cast<int>(sizeof(A));
+  if constexpr (kWide) {
+    static_assert(N % W == 0, "whole 16-byte words");
+    for (int i = 0; i < N; i += W) {
+      const Vec<A, W> word = load_readonly<A, W>(src + i);
+      for (int k = 0; k < W; ++k) out[i + k] = word.v[k];
     }
+  } else {
+    for (int i = 0; i < N; ++i) out[i] = __ldg(src + i);
   }
-  for (int k = 0; k < K; ++k) taps.v[k] = row[k];
-  return taps;
 }
 
-// One token per row, state_len == K - 1 (shift or ring mode): V channels per thread.
+// Batch rows per thread in the one-token kernel. The thread loads its channels' weights once for
+// all of them (re-read for every row, they were as many L2 bytes as the data) and has all their
+// loads in flight before its first store. The rows' words and the weights stay within
+// kTokenRegisters 32-bit registers: with the addresses at most 128, two blocks of 256 per SM (at
+// 16 bits and K = 4, three rows).
+constexpr int kTokenRegisters = 80;
+
 template <typename T, typename A, int K, int V>
-__global__ void __launch_bounds__(kUpdateThreads) update_token_kernel(UpdateParams p) {
-  constexpr int P = K - 1;
+constexpr int token_rows() {
+  constexpr int weights = V * K * static_cast<int>(sizeof(A)) / 4;
+  constexpr int row = K * ((V * static_cast<int>(sizeof(T)) + 3) / 4);
+  return std::clamp((kTokenRegisters - weights) / row, 1, 4);
+}
+
+// The one-token kernel's index space, in 32 bits (the launch checks that it fits): a thread takes
+// V channels of up to token_rows() batch rows of one weight group, and neighbouring threads take
+// neighbouring channels of the same rows.
+struct TokenGrid {
+  uint32_t work;             // tiles * vectors
+  uint32_t vectors;          // channels / V
+  uint32_t tiles_per_group;  // ceil(group_rows / rows per thread)
+  uint32_t group_rows;       // batch / groups
+  int32_t state_channel;     // state stride of a channel
+  int32_t state_word;        // state stride between a channel vector's loads of V elements
+};
+
+// One token per row, state_len == K - 1, shift or ring mode: V channels of several rows per thread.
+// Each state load and store moves V elements. Channel-last, load j is history step j of the V
+// channels; channel-first with V > 1 (kInterleaved, shift mode only), the V channels' K - 1 steps
+// are contiguous and load j holds elements j * V .. j * V + V - 1 of them, channel-major, so the
+// shift happens between registers.
+template <typename T, typename A, int K, int V, bool kInterleaved>
+__global__ void __launch_bounds__(kUpdateThreads, 2)
+    update_token_kernel(UpdateParams p, TokenGrid g) {
+  constexpr int P = K - 1, R = token_rows<T, A, K, V>();
+  // History element (channel c, step j) in a row's P loads.
+  constexpr auto at = [](int c, int j) { return kInterleaved ? c * P + j : j * V + c; };
   const Update<T, A, K> op{p};
-  const int64_t vectors = p.channels / V;
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < p.batch * vectors;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t d0 = (i % vectors) * V, b = i / vectors;
-    const int64_t row = op.pool_row(b);
-    T* y = &static_cast<T*>(p.y)[offset(p.x_strides, b, 0, d0)];
-    if (row < 0) {
-      store_vec(y, zero_vec<T, V>());
-      continue;
-    }
-    // Plain loads, not read-only ones: this kernel writes the state it reads.
-    const Vec<T, V> token = *reinterpret_cast<const Vec<T, V>*>(&op.x_at(b, 0, d0));
-    const int64_t next = p.cache_seqlens ? int64_t{p.cache_seqlens[b]} : P;
-    Vec<T, V> history[P];  // x_{-P} .. x_{-1}
-    for (int j = 0; j < P; ++j) {
-      const int64_t position = next - P + j;
-      const int64_t slot = p.cache_seqlens ? op.ring_slot(position) : j;
-      history[j] = position < 0 ? zero_vec<T, V>()
-                                : *reinterpret_cast<const Vec<T, V>*>(&op.state_at(row, slot, d0));
-    }
-    Vec<T, V> out;
-    for (int v = 0; v < V; ++v) {
-      const Taps<A, K> w = load_taps<A, K>(op.weight_row(b, d0 + v));
-      A z = op.bias(b, d0 + v) + w.v[P] * to_acc<A>(token.v[v]);
-      for (int k = 0; k < P; ++k) z += w.v[k] * to_acc<A>(history[k].v[v]);
-      out.v[v] = from_acc<T>(activate(z, p.silu));
-    }
-    store_vec(y, out);
-    if (p.cache_seqlens) {
-      store_vec(&op.state_at(row, op.ring_slot(next), d0), token);
+  const T* x = static_cast<const T*>(p.x);
+  T* y = static_cast<T*>(p.y);
+  T* state = static_cast<T*>(p.state);
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < g.work;
+       i += gridDim.x * blockDim.x) {
+    const uint32_t tile = i / g.vectors, d0 = (i - tile * g.vectors) * V;
+    const uint32_t group = tile / g.tiles_per_group;
+    const uint32_t first = (tile - group * g.tiles_per_group) * R;
+    const int rows = static_cast<int>(min(uint32_t{R}, g.group_rows - first));
+    const int64_t b0 = int64_t{group} * g.group_rows + first;
+    const int64_t channel0 = int64_t{group} * p.channels + d0;
+
+    A w[V * K], bias[V];
+    load_constants<A, V * K, (V > 1)>(static_cast<const A*>(p.weight) + channel0 * K, w);
+    if (p.bias) {
+      load_constants<A, V, (V > 1)>(static_cast<const A*>(p.bias) + channel0, bias);
     } else {
-      for (int j = 0; j + 1 < P; ++j) store_vec(&op.state_at(row, j, d0), history[j + 1]);
-      if (P > 0) store_vec(&op.state_at(row, P - 1, d0), token);
+      for (int v = 0; v < V; ++v) bias[v] = A(0);
+    }
+
+    // One token: x and y have contiguous channels in either layout.
+    const int64_t x0 = b0 * p.x_strides.batch + d0;
+    const uint32_t in_row = d0 * g.state_channel;
+    T* rows_state[R];  // this thread's channels in each row's state; null for padding rows
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r < rows ? op.pool_row(b0 + r) : -1;
+      rows_state[r] = row < 0 ? nullptr : state + row * p.state_strides.batch + in_row;
+    }
+    // Plain loads, not read-only ones: this kernel writes the state it reads. Held as raw words:
+    // arrays of Vec copied from loads become byte-wise copies before the loops unroll.
+    using Word = RawFor<T, V>;
+    Word token[R], history[R][P];
+    int ring[R];  // ring mode: the slot of history step 0, which the token replaces
+    for (int r = 0; r < R; ++r) {
+      const T* src = rows_state[r];
+      if (src == nullptr) continue;
+      token[r] = *reinterpret_cast<const Word*>(x + x0 + r * p.x_strides.batch);
+      if (kInterleaved || p.cache_seqlens == nullptr) {
+        for (int j = 0; j < P; ++j) {
+          history[r][j] = *reinterpret_cast<const Word*>(src + j * g.state_word);
+        }
+      } else {
+        // The ring has P slots: step j is position next - P + j, in slot (next + j) mod P. A
+        // position below 0 was never written and reads as 0.
+        const int next = p.cache_seqlens[b0 + r], slot = next % P;
+        ring[r] = slot < 0 ? slot + P : slot;
+        for (int j = 0; j < P; ++j) {
+          const int s = ring[r] + j < P ? ring[r] + j : ring[r] + j - P;
+          const Word word = *reinterpret_cast<const Word*>(src + s * g.state_word);
+          history[r][j] = next < P - j ? Word{} : word;
+        }
+      }
+    }
+
+#pragma unroll
+    for (int r = 0; r < R && r < rows; ++r) {
+      T* y_row = y + x0 + r * p.x_strides.batch;
+      T* dst = rows_state[r];
+      if (dst == nullptr) {
+        store_vec(y_row, zero_vec<T, V>());
+        continue;
+      }
+      const auto element = [&](int c, int j) {
+        return from_raw<T, V>(history[r][at(c, j) / V]).v[at(c, j) % V];
+      };
+      const Vec<T, V> now = from_raw<T, V>(token[r]);
+      Vec<T, V> out;
+      for (int v = 0; v < V; ++v) {
+        A z = bias[v] + w[v * K + P] * to_acc<A>(now.v[v]);
+        for (int k = 0; k < P; ++k) z += w[v * K + k] * to_acc<A>(element(v, k));
+        out.v[v] = from_acc<T>(activate(z, p.silu));
+      }
+      store_vec(y_row, out);
+      if constexpr (kInterleaved) {
+        for (int j = 0; j < P; ++j) {
+          Vec<T, V> shifted;
+          for (int i = 0; i < V; ++i) {
+            const int c = (j * V + i) / P, s = (j * V + i) % P;
+            shifted.v[i] = s + 1 < P ? element(c, s + 1) : now.v[c];
+          }
+          store_vec(dst + j * V, shifted);
+        }
+      } else if (p.cache_seqlens != nullptr) {
+        store_vec(dst + ring[r] * g.state_word, now);
+      } else {
+        for (int j = 0; j + 1 < P; ++j) {
+          store_vec(dst + j * g.state_word, from_raw<T, V>(history[r][j + 1]));
+        }
+        store_vec(dst + (P - 1) * g.state_word, now);
+      }
     }
   }
 }
@@ -101,20 +187,41 @@ int64_t update_blocks(int64_t threads) {
       1, std::min(kUpdateMaxBlocks, (threads + kUpdateThreads - 1) / kUpdateThreads));
 }
 
+template <typename T, typename A, int K, int V, bool kInterleaved>
+void launch_token(cudaStream_t stream, const UpdateParams& p) {
+  constexpr int R = token_rows<T, A, K, V>();
+  const int64_t group_rows = p.batch / p.groups, tiles_per_group = (group_rows + R - 1) / R;
+  const int64_t vectors = p.channels / V;
+  const TokenGrid g{static_cast<uint32_t>(p.groups * tiles_per_group * vectors),
+                    static_cast<uint32_t>(vectors),
+                    static_cast<uint32_t>(tiles_per_group),
+                    static_cast<uint32_t>(group_rows),
+                    static_cast<int32_t>(p.state_strides.channel),
+                    static_cast<int32_t>(kInterleaved ? V : p.state_strides.time)};
+  update_token_kernel<T, A, K, V, kInterleaved>
+      <<<update_blocks(g.work), kUpdateThreads, 0, stream>>>(p, g);
+}
+
 template <typename T, typename A, int kWidth>
 ffi::Error launch_update(cudaStream_t stream, const UpdateParams& p) {
   const int64_t work = p.batch * p.channels;
   if (work == 0) return ffi::Error::Success();
   if constexpr (kWidth > 0) {
-    if (p.tokens == 1 && p.state_len == kWidth - 1) {
+    // The token kernel indexes a row's channels and its threads in 32 bits.
+    const int64_t limit = std::numeric_limits<int32_t>::max();
+    if (p.tokens == 1 && p.state_len == kWidth - 1 && work <= limit &&
+        p.channels * p.state_len <= limit) {
       constexpr int V = kPack<T>;
-      // Channel vectors need contiguous channels (channel-last) that the vectors tile.
-      if (p.channel_last && p.channels % V == 0 && aligned16(p.x) && aligned16(p.y) &&
-          aligned16(p.state)) {
-        update_token_kernel<T, A, kWidth, V>
-            <<<update_blocks(work / V), kUpdateThreads, 0, stream>>>(p);
+      // Channel vectors need channels that they tile and 16-byte aligned buffers. Channel-first,
+      // a vector holds whole rings, whose rotation by cache_seqlens is not between fixed registers.
+      const bool vectors = p.channels % V == 0 && aligned16(p.x) && aligned16(p.y) &&
+                           aligned16(p.state) && aligned16(p.weight) && aligned16(p.bias);
+      if (vectors && p.channel_last) {
+        launch_token<T, A, kWidth, V, false>(stream, p);
+      } else if (vectors && p.cache_seqlens == nullptr) {
+        launch_token<T, A, kWidth, V, true>(stream, p);
       } else {
-        update_token_kernel<T, A, kWidth, 1><<<update_blocks(work), kUpdateThreads, 0, stream>>>(p);
+        launch_token<T, A, kWidth, 1, false>(stream, p);
       }
       return cuda_status("update token kernel");
     }

@@ -96,6 +96,84 @@ def test_widths(width, mode, dev):
     np.testing.assert_array_equal(np.asarray(new_state, np.float64), np.asarray(state_ref))
 
 
+def one_token_check(rng, dtype, layout, mode, B, D, K, dev, pool=None, indices=None):
+    """One decode step against the reference: y at DESIGN tolerance, the state exactly."""
+    S = K - 1
+    x = jnp.asarray(rng.standard_normal((B, D)), dtype)
+    state = x_like(rng, pool or B, S, D, dtype, layout)
+    w, b = weights(rng, D, K)
+    kwargs = dict(activation="silu", layout=layout)
+    if mode == "ring":
+        kwargs["cache_seqlens"] = jnp.asarray(rng.integers(-2, 4 * S + 3, B), jnp.int32)
+    if indices is not None:
+        kwargs["state_indices"] = jnp.asarray(indices, jnp.int32)
+    y, new_state = jax.jit(
+        lambda x, s, w, b: jcc.causal_conv1d_update(x, s, w, b, **kwargs)
+    )(*put(dev, (x, state, w, b)))
+    y_ref, _ = reference.causal_conv1d_update(*to_f64((x, state, w, b)), **kwargs)
+    assert_close(y, y_ref, dtype, f"y {layout} {mode} D={D} K={K}")
+    _, state_ref = reference.causal_conv1d_update(x, state, w, b, **kwargs)
+    np.testing.assert_array_equal(np.asarray(new_state), np.asarray(state_ref))
+
+
+# The GPU's one-token kernel takes a vector of channels (16 bytes of x) in several batch rows per
+# thread where the channels tile the vectors, and one channel otherwise: D = 16 is whole vectors in
+# every dtype, D = 12 only for 32- and 64-bit x, D = 5 for none. B = 7 is a multiple of no row count.
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("channels", [16, 12, 5])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_token_vectors(dtype, mode, layout, channels, dev):
+    rng = np.random.default_rng(60 + DTYPES.index(dtype) * 12 + MODES.index(mode) * 6 + LAYOUTS.index(layout) * 3 + channels)
+    one_token_check(rng, dtype, layout, mode, 7, channels, 4, dev)
+    # A state pool with padding rows (-1, and 9 == pool) among live ones.
+    one_token_check(rng, dtype, layout, mode, 7, channels, 4, dev, pool=9, indices=[3, -1, 0, 8, 9, 5, 1])
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("width", range(2, 9))
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_one_token_widths(dtype, layout, width, dev):
+    rng = np.random.default_rng(120 + width * 4 + LAYOUTS.index(layout) * 2 + (dtype == jnp.float32))
+    for mode in MODES:
+        one_token_check(rng, dtype, layout, mode, 5, 24, width, dev, pool=6, indices=[2, 5, -1, 0, 4])
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("mode", MODES)
+def test_one_token_weight_groups(mode, layout, dev):
+    """vmapped weights become weight groups of one launch; 5 rows per group split into uneven
+    row tiles, which must not mix groups."""
+    rng = np.random.default_rng(150 + MODES.index(mode) * 2 + LAYOUTS.index(layout))
+    G, B, D, K = 3, 5, 16, 4
+    x = jnp.asarray(rng.standard_normal((G, B, D)), jnp.bfloat16)
+    state = x_like(rng, G * B, K - 1, D, jnp.bfloat16, layout)
+    state = state.reshape((G, B) + state.shape[1:])
+    w = jnp.asarray(rng.standard_normal((G, D, K)) / 2, jnp.float32)
+    b = jnp.asarray(rng.standard_normal((G, D)), jnp.float32)
+    seqlens = jnp.asarray(rng.integers(0, 12, (G, B)), jnp.int32)
+    indices = jnp.asarray([[4, -1, 0, 2, 1], [0, 1, 2, 3, 4], [3, 2, 5, -1, 0]], jnp.int32)
+
+    def f(x, state, w, b, seqlens, indices):
+        return jcc.causal_conv1d_update(
+            x, state, w, b, activation="silu", cache_seqlens=seqlens if mode == "ring" else None,
+            state_indices=indices, layout=layout,
+        )
+
+    y, new_state = jax.jit(jax.vmap(f))(*put(dev, (x, state, w, b, seqlens, indices)))
+    for g in range(G):
+        kwargs = dict(activation="silu", state_indices=indices[g], layout=layout)
+        if mode == "ring":
+            kwargs["cache_seqlens"] = seqlens[g]
+        y_ref, _ = reference.causal_conv1d_update(*to_f64((x[g], state[g], w[g], b[g])), **kwargs)
+        assert_close(y[g], y_ref, jnp.bfloat16, f"group {g} y")
+        _, state_ref = reference.causal_conv1d_update(x[g], state[g], w[g], b[g], **kwargs)
+        np.testing.assert_array_equal(np.asarray(new_state[g]), np.asarray(state_ref))
+
+
 def decode_one_by_one(x_new, state, w, b, layout, cache_start=None, state_indices=None):
     """Feeds x_new one token at a time through a lax.scan, as a serving loop would."""
 
