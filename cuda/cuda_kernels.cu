@@ -219,9 +219,10 @@ int64_t resident_threads(int block_threads) {
   return resident;
 }
 
-// Time steps per thread for the channel-last kernels, whose threads each stream one column (batch
-// row, channel pack) over a piece of the time axis. A partial last wave of threads leaves SMs
-// idle (the main workload's forward in 64-step pieces ran 2.6 waves), so this sizes the pieces to
+// Time steps per thread for the channel-last backward, whose threads each stream one column (batch
+// row, channel pack) over a tile of the time axis. A partial last wave of threads leaves SMs
+// idle (the main workload in 128-step tiles ran 1.9 waves; in one wave of 256-step tiles it took
+// 129.0 us against 131.5), so this sizes the tiles to
 // fill whole waves of resident threads: of the splits into 1 to 4 full waves (or whole columns,
 // when there are more columns than resident threads), the one with the least waves x (steps +
 // prologue_steps), the prologue being a thread's weights, halo rows and first wait.
@@ -244,23 +245,24 @@ inline int64_t steps_per_thread(int64_t columns, int64_t length, int64_t residen
   return best_steps;
 }
 
-// A thread's prologue as a cost in steps, and the forward's shortest pieces (the backward's tiles
-// are at least kTileLen long: its workspace holds tile_count(L) slices of dw/db sums per row).
+// A thread's prologue as a cost in steps. The backward's tiles are at least kTileLen long: its
+// workspace holds tile_count(L) slices of dw/db sums per row.
 constexpr int64_t kPrologueSteps = 16;
-constexpr int64_t kForwardMinSteps = 16;
+// Channel-last forward threads below which its pieces of time shrink from 64 steps to 32.
+constexpr int64_t kForwardMinThreads = 65536;
 
 template <typename T, int K, bool kMasked>
 void launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
   if (p.channel_last) {
     constexpr int C = channels_per_thread<T, K, kForwardBudget>();
-    constexpr auto kernel = forward_channel_last_kernel<T, K, kMasked>;
     const int64_t columns = p.batch * (p.channels / C);
-    const int64_t time_chunk =
-        steps_per_thread(columns, p.length, resident_threads<kernel>(kForwardThreads),
-                         kForwardMinSteps, kPrologueSteps);
+    // 64 steps per thread (fewer prologues: weights, halo rows, the ring's first wait) unless
+    // that leaves too few threads; 64 against 32 took the main workload from 104 to 85 us. Pieces
+    // sized to one wave (steps_per_thread, 171 steps) were slower: 90.6 against 82.6 us.
+    const int64_t time_chunk = columns * ((p.length + 63) / 64) >= kForwardMinThreads ? 64 : 32;
     const int64_t threads = columns * ((p.length + time_chunk - 1) / time_chunk);
     const int64_t blocks = std::min(kMaxGridBlocks, (threads + kForwardThreads - 1) / kForwardThreads);
-    kernel<<<blocks, kForwardThreads, 0, stream>>>(p, time_chunk);
+    forward_channel_last_kernel<T, K, kMasked><<<blocks, kForwardThreads, 0, stream>>>(p, time_chunk);
   } else {
     const int64_t chunk_len = channel_first_chunk(p.batch * p.channels, p.length,
                                                   kLanes * kPack<T>, kForwardRowItems);
