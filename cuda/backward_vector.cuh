@@ -194,25 +194,18 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t chunks = (p.length + chunk_len - 1) / chunk_len;
   const int64_t items = p.batch * p.channels * chunks;
   const int64_t warps_per_grid = int64_t{gridDim.x} * (blockDim.x / kLanes);
-  for (int64_t item = blockIdx.x * int64_t{blockDim.x / kLanes} + threadIdx.x / kLanes;
-       item < items; item += warps_per_grid) {
-    const int64_t chunk = item % chunks, row = item / chunks;
-    const int64_t b = row / p.channels, d = row % p.channels;
-    const int64_t c0 = chunk * chunk_len, c1 = std::min(c0 + chunk_len, p.length);
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x / kLanes} + threadIdx.x / kLanes;
+       i < items; i += warps_per_grid) {
+    const ChannelFirstItem item(i, chunks, chunk_len, p);
     // Times this item loads: its own, and the P after them that the dx of its last times needs.
-    const int64_t loaded_end = std::min(c1 + P, p.length);
-    const T* x_row = static_cast<const T*>(p.x) + row * p.length;
-    const T* dy_row = static_cast<const T*>(p.dy) + row * p.length;
-    T* dx_row = static_cast<T*>(p.dx) + row * p.length;
-    const int32_t* segment_row = kMasked ? p.seq_idx + b * p.length : nullptr;
+    const int64_t loaded_end = std::min(item.c1 + P, p.length);
+    const T* x_row = static_cast<const T*>(p.x) + item.row * p.length;
+    const T* dy_row = static_cast<const T*>(p.dy) + item.row * p.length;
+    T* dx_row = static_cast<T*>(p.dx) + item.row * p.length;
     float w[K][1], bias[1];
-    load_weights(conv, b, d, w, bias);
-    float carry[P];
-    int32_t segment_carry[P];
-    for (int j = 0; j < P; ++j) {
-      carry[j] = conv.input(b, c0 - P + j, d);
-      segment_carry[j] = kMasked ? conv.segment(b, c0 - P + j) : 0;
-    }
+    load_weights(conv, item.b, item.d, w, bias);
+    const int32_t* segment_row = kMasked ? p.seq_idx + item.b * p.length : nullptr;
+    ChannelFirstCarry<K, kMasked> carry(conv, item);
     float dw[K + 1] = {};  // dw[K] is db
 
     // The lane's x and dy packs of the next kBackwardAhead segments that segment_delta will take.
@@ -222,7 +215,7 @@ __global__ void __launch_bounds__(kThreads)
       x_pack = t0 < loaded_end ? load_readonly<T, V>(x_row + t0) : zero_vec<T, V>();
       dy_pack = t0 < loaded_end ? load_readonly<T, V>(dy_row + t0) : zero_vec<T, V>();
     };
-    for (int a = 0; a < kBackwardAhead; ++a) fetch(c0 + a * kSegment, x_ahead[a], dy_ahead[a]);
+    for (int a = 0; a < kBackwardAhead; ++a) fetch(item.c0 + a * kSegment, x_ahead[a], dy_ahead[a]);
 
     // Called for segments c0, c0 + kSegment, ... in order.
     const auto segment_delta = [&](int64_t s, SegmentDelta<V>& out) {
@@ -237,21 +230,9 @@ __global__ void __launch_bounds__(kThreads)
       }
       fetch(s + kBackwardAhead * kSegment, x_ahead[kBackwardAhead - 1], dy_ahead[kBackwardAhead - 1]);
       float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}
-      halo_before<P, V>(own, carry, lane, reinterpret_cast<float(&)[P]>(xs[0]));
-      segment_tail<P, V>(own, carry);
-      for (int v = 0; v < V; ++v) xs[P + v] = own[v];
       int32_t segments[P + V];
-      if (kMasked) {
-        int32_t own_segments[V];
-        load_segments(segment_row + t0, exists, own_segments);
-        halo_before<P, V>(own_segments, segment_carry, lane,
-                          reinterpret_cast<int32_t(&)[P]>(segments[0]));
-        segment_tail<P, V>(own_segments, segment_carry);
-        for (int v = 0; v < V; ++v) segments[P + v] = own_segments[v];
-      } else {
-        for (int j = 0; j < P + V; ++j) segments[j] = exists ? 0 : -1;
-      }
-      const bool accumulate = t0 < c1;
+      carry.advance(own, segment_row, t0, exists, lane, xs, segments);
+      const bool accumulate = t0 < item.c1;
       for (int v = 0; v < V; ++v) {
         float z = bias[0];
         for (int k = 0; k < K; ++k) {
@@ -272,8 +253,8 @@ __global__ void __launch_bounds__(kThreads)
     };
 
     SegmentDelta<V> current, next;
-    segment_delta(c0, current);
-    if (c0 == 0 && p.dinitial_state != nullptr) {
+    segment_delta(item.c0, current);
+    if (item.c0 == 0 && p.dinitial_state != nullptr) {
       // dS = dx on [-P, 0): taps of outputs 0 .. P-1, whose deltas lanes 0 and 1 hold.
       float first[P];
       int32_t first_segment[P];
@@ -282,7 +263,7 @@ __global__ void __launch_bounds__(kThreads)
         first_segment[t] = __shfl_sync(kFullWarp, current.segment[t % V], t / V);
       }
       if (lane == 0) {
-        const int32_t segment_u = kMasked ? conv.segment(b, 0) : 0;
+        const int32_t segment_u = kMasked ? conv.segment(item.b, 0) : 0;
         for (int i = 0; i < P; ++i) {
           float acc = 0.0f;
           for (int k = 0; k <= i; ++k) {
@@ -290,12 +271,12 @@ __global__ void __launch_bounds__(kThreads)
             const bool used = kMasked ? same_segment(first_segment[t], segment_u) : first_segment[t] >= 0;
             acc = used ? fmaf(w[k][0], first[t], acc) : acc;
           }
-          acc += conv.final_state_grad(b, i - P, d);
-          conv.store_state_like(p.dinitial_state, b, i, d, acc);
+          acc += conv.final_state_grad(item.b, i - P, item.d);
+          conv.store_state_like(p.dinitial_state, item.b, i, item.d, acc);
         }
       }
     }
-    for (int64_t s = c0; s < c1; s += kSegment) {
+    for (int64_t s = item.c0; s < item.c1; s += kSegment) {
       if (s + kSegment < loaded_end) {
         segment_delta(s + kSegment, next);
       } else {
@@ -329,10 +310,10 @@ __global__ void __launch_bounds__(kThreads)
         }
         g[j] = acc;
       }
-      if (t0 < c1 && t0 + V > p.length - P) {
-        for (int j = 0; j < V; ++j) g[j] += conv.final_state_grad(b, t0 + j, d);
+      if (t0 < item.c1 && t0 + V > p.length - P) {
+        for (int j = 0; j < V; ++j) g[j] += conv.final_state_grad(item.b, t0 + j, item.d);
       }
-      if (t0 < c1) store_vec(dx_row + t0, from_floats<T, V>(g));
+      if (t0 < item.c1) store_vec(dx_row + t0, from_floats<T, V>(g));
       current = next;
     }
     for (int k = 0; k <= K; ++k) {
@@ -341,7 +322,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     if (lane == 0) {
-      float* out = partials + ((b * chunks + chunk) * p.channels + d) * (K + 1);
+      float* out = partials + ((item.b * item.chunks + item.chunk) * p.channels + item.d) * (K + 1);
       for (int k = 0; k <= K; ++k) out[k] = dw[k];
     }
   }

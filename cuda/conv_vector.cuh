@@ -66,6 +66,18 @@ __device__ __forceinline__ void load_segments(const int32_t* src, bool live, int
 }
 
 // ---- channel-first rows: a warp streams a row in segments of 32 packs of V times ----
+
+// A channel-first warp item: times [c0, c1) of row `row` = (b, d) of the (B, D, L) tensor, its
+// chunk-th chunk of chunks.
+struct ChannelFirstItem {
+  int64_t chunks, chunk, row, b, d, c0, c1;
+
+  __device__ __forceinline__ ChannelFirstItem(int64_t item, int64_t chunks, int64_t chunk_len,
+                                              const ConvParams& p)
+      : chunks(chunks), chunk(item % chunks), row(item / chunks), b(row / p.channels),
+        d(row % p.channels), c0(chunk * chunk_len), c1(std::min(c0 + chunk_len, p.length)) {}
+};
+
 // Lane l holds times [s + l V, s + (l + 1) V) of segment s in own[]. Every lane must call these
 // (they shuffle), with the same s.
 
@@ -98,6 +110,48 @@ __device__ __forceinline__ void segment_tail(const U (&own)[V], U (&carry)[P]) {
     carry[j] = __shfl_sync(kFullWarp, own[at % V], at / V);
   }
 }
+
+// What a channel-first lane passes from one segment of its item to the next: the P inputs and
+// seq_idx entries before the segment, the halo of its first lanes.
+template <int K, bool kMasked>
+struct ChannelFirstCarry {
+  static constexpr int P = K - 1;
+  float x[P];
+  int32_t segment[P];  // 0 without seq_idx
+
+  template <typename T>
+  __device__ __forceinline__ ChannelFirstCarry(const Conv<T, float, K>& conv,
+                                               const ChannelFirstItem& item) {
+    for (int j = 0; j < P; ++j) {
+      x[j] = conv.input(item.b, item.c0 - P + j, item.d);
+      segment[j] = kMasked ? conv.segment(item.b, item.c0 - P + j) : 0;
+    }
+  }
+
+  // For the segment of which own is the lane's pack, t0 the lane's first time (its times exist
+  // where live): xs[j] = x_{t0-P+j} and segments[j] its seq_idx entry, read from seq_idx_row
+  // (the item's row of seq_idx, nullptr without), and the carry for the next segment. Without
+  // seq_idx segments[j] is 0, or -1 where not live. Every lane must call it (it shuffles), for the
+  // item's segments in order.
+  template <int V>
+  __device__ __forceinline__ void advance(const float (&own)[V], const int32_t* seq_idx_row,
+                                          int64_t t0, bool live, int lane, float (&xs)[P + V],
+                                          int32_t (&segments)[P + V]) {
+    halo_before<P, V>(own, x, lane, reinterpret_cast<float(&)[P]>(xs[0]));
+    segment_tail<P, V>(own, x);
+    for (int v = 0; v < V; ++v) xs[P + v] = own[v];
+    if (kMasked) {
+      int32_t own_segments[V];
+      load_segments(seq_idx_row + t0, live, own_segments);
+      halo_before<P, V>(own_segments, segment, lane,
+                        reinterpret_cast<int32_t(&)[P]>(segments[0]));
+      segment_tail<P, V>(own_segments, segment);
+      for (int v = 0; v < V; ++v) segments[P + v] = own_segments[v];
+    } else {
+      for (int j = 0; j < P + V; ++j) segments[j] = live ? 0 : -1;
+    }
+  }
+};
 
 // out[m] = the value at time s + (l + 1) V + m: from higher lanes of this segment (own) or, past
 // lane 31, from the first lanes of the next one (next).

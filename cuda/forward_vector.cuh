@@ -109,49 +109,32 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t chunks = (p.length + chunk_len - 1) / chunk_len;
   const int64_t items = p.batch * p.channels * chunks;
   const int64_t warps_per_grid = int64_t{gridDim.x} * (blockDim.x / kLanes);
-  for (int64_t item = blockIdx.x * int64_t{blockDim.x / kLanes} + threadIdx.x / kLanes;
-       item < items; item += warps_per_grid) {
-    const int64_t chunk = item % chunks, row = item / chunks;
-    const int64_t b = row / p.channels, d = row % p.channels;
-    const int64_t c0 = chunk * chunk_len, c1 = std::min(c0 + chunk_len, p.length);
-    const T* x_row = static_cast<const T*>(p.x) + row * p.length;
-    T* y_row = static_cast<T*>(p.y) + row * p.length;
-    const int32_t* segment_row = kMasked ? p.seq_idx + b * p.length : nullptr;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x / kLanes} + threadIdx.x / kLanes;
+       i < items; i += warps_per_grid) {
+    const ChannelFirstItem item(i, chunks, chunk_len, p);
+    const T* x_row = static_cast<const T*>(p.x) + item.row * p.length;
+    T* y_row = static_cast<T*>(p.y) + item.row * p.length;
     float w[K][1], bias[1];
-    load_weights(conv, b, d, w, bias);
-    float carry[P];
-    int32_t segment_carry[P];
-    for (int j = 0; j < P; ++j) {
-      carry[j] = conv.input(b, c0 - P + j, d);
-      segment_carry[j] = kMasked ? conv.segment(b, c0 - P + j) : 0;
-    }
+    load_weights(conv, item.b, item.d, w, bias);
+    const int32_t* segment_row = kMasked ? p.seq_idx + item.b * p.length : nullptr;
+    ChannelFirstCarry<K, kMasked> carry(conv, item);
     // The lane's packs of the next kAhead segments, loaded before they are needed.
     Vec<T, V> ahead[kForwardAhead];
     for (int a = 0; a < kForwardAhead; ++a) {
-      const int64_t t = c0 + a * kSegment + lane * V;
-      ahead[a] = t < c1 ? load_readonly<T, V>(x_row + t) : zero_vec<T, V>();
+      const int64_t t = item.c0 + a * kSegment + lane * V;
+      ahead[a] = t < item.c1 ? load_readonly<T, V>(x_row + t) : zero_vec<T, V>();
     }
-    for (int64_t s = c0; s < c1; s += kSegment) {
+    for (int64_t s = item.c0; s < item.c1; s += kSegment) {
       const int64_t t0 = s + lane * V;
-      const bool live = t0 < c1;
-      float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}
+      const bool live = t0 < item.c1;
       float own[V];
       to_floats(ahead[0], own);
       for (int a = 0; a + 1 < kForwardAhead; ++a) ahead[a] = ahead[a + 1];
       const int64_t t_ahead = t0 + kForwardAhead * kSegment;
-      ahead[kForwardAhead - 1] = t_ahead < c1 ? load_readonly<T, V>(x_row + t_ahead) : zero_vec<T, V>();
-      halo_before<P, V>(own, carry, lane, reinterpret_cast<float(&)[P]>(xs[0]));
-      segment_tail<P, V>(own, carry);
-      for (int v = 0; v < V; ++v) xs[P + v] = own[v];
-      int32_t segments[P + V] = {};
-      if (kMasked) {
-        int32_t own_segments[V];
-        load_segments(segment_row + t0, live, own_segments);
-        halo_before<P, V>(own_segments, segment_carry, lane,
-                          reinterpret_cast<int32_t(&)[P]>(segments[0]));
-        segment_tail<P, V>(own_segments, segment_carry);
-        for (int v = 0; v < V; ++v) segments[P + v] = own_segments[v];
-      }
+      ahead[kForwardAhead - 1] = t_ahead < item.c1 ? load_readonly<T, V>(x_row + t_ahead) : zero_vec<T, V>();
+      float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}
+      int32_t segments[P + V];
+      carry.advance(own, segment_row, t0, live, lane, xs, segments);
       float out[V];
       for (int v = 0; v < V; ++v) {
         float z = bias[0];
