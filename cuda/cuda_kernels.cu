@@ -220,12 +220,12 @@ int64_t resident_threads(int block_threads) {
 }
 
 // Time steps per thread for the channel-last backward, whose threads each stream one column (batch
-// row, channel pack) over a tile of the time axis. A partial last wave of threads leaves SMs
-// idle (the main workload in 128-step tiles ran 1.9 waves; in one wave of 256-step tiles it took
-// 129.0 us against 131.5), so this sizes the tiles to
-// fill whole waves of resident threads: of the splits into 1 to 4 full waves (or whole columns,
-// when there are more columns than resident threads), the one with the least waves x (steps +
-// prologue_steps), the prologue being a thread's weights, halo rows and first wait.
+// row, channel pack) over a tile of the time axis. A partial last wave of threads leaves SMs idle
+// (the main workload in 128-step tiles ran 1.9 waves, 131.5 us; in one wave of 256-step tiles,
+// 129.0 us in another run), so this sizes the tiles to fill whole waves of resident threads: of
+// the splits into 1 to 4 full waves (or whole columns, when there are more columns than resident
+// threads), the one with the least waves x (steps + prologue_steps), the prologue being a
+// thread's weights, halo rows and first wait.
 inline int64_t steps_per_thread(int64_t columns, int64_t length, int64_t resident,
                                 int64_t min_steps, int64_t prologue_steps) {
   constexpr int64_t kMaxSteps = int64_t{1} << 24;  // the kernels count steps in an int
