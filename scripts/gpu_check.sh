@@ -58,7 +58,10 @@ if step sanitizer; then
     filter=(--kernel-name kns=causal_conv)
   fi
   sanitize() {  # tool, script, log
-    compute-sanitizer --tool "$1" "${filter[@]}" --error-exitcode 9 python3 "$2" >"$3" 2>&1
+    # Without preallocation: the sanitizer keeps its own state in device memory, which XLA would
+    # otherwise have taken (a racecheck run crashed, tests/GPU.md, fourth session).
+    XLA_PYTHON_CLIENT_PREALLOCATE=false compute-sanitizer --tool "$1" "${filter[@]}" \
+      --error-exitcode 9 python3 "$2" >"$3" 2>&1
     local rc=$?
     summary+=("compute-sanitizer $1 ${filter[*]} $2: exit $rc ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$3" | tail -1); $(grep -E '^[0-9]+ mismatches|cases ok' "$3" | tail -1))")
   }
