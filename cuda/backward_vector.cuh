@@ -76,10 +76,7 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K, kM
     load_weights(conv, b, d0, w, bias);
     float x[K][C], delta[K][C] = {};
     int32_t segment[K] = {};
-    for (int k = 0; k < P; ++k) {
-      load_row(conv, b, t0 - P + k, d0, x[k]);
-      if (kMasked) segment[k] = conv.segment(b, t0 - P + k);
-    }
+    load_window_before<T, K, C, kMasked>(conv, b, t0, d0, x, segment);
     // One step; interior is std::true_type on the interior steps (see above).
     const auto step_at = [&](int step, auto interior) {
       constexpr bool kInterior = decltype(interior)::value;
@@ -139,24 +136,12 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K, kM
                     from_floats<T, C>(g));
         }
       }
-      for (int k = 0; k < P; ++k) {
-        segment[k] = segment[k + 1];
-        for (int c = 0; c < C; ++c) {
-          x[k][c] = x[k + 1][c];
-          delta[k][c] = delta[k + 1][c];
-        }
-      }
+      slide_windows<K, C>(segment, x, delta);
     };
     int step = 0;
 #pragma unroll 1
     for (; step < P; ++step) step_at(step, std::false_type{});
-#pragma unroll 1
-    for (; step + K <= owned; step += K) {
-#pragma unroll
-      for (int j = 0; j < K; ++j) step_at(step + j, std::true_type{});
-    }
-#pragma unroll 1
-    for (; step < owned; ++step) step_at(step, std::true_type{});
+    step = run_steps<K>(step, owned, [&](int interior) { step_at(interior, std::true_type{}); });
 #pragma unroll 1
     for (; step < owned + P; ++step) step_at(step, std::false_type{});
     float* out = partials + ((b * tiles + tile) * p.channels + d0) * (K + 1);

@@ -54,6 +54,46 @@ __device__ __forceinline__ void load_row(const Conv<T, float, K>& conv, int64_t 
   to_floats(src == nullptr ? zero_vec<T, C>() : load_readonly<T, C>(src), out);
 }
 
+// ---- channel-last columns: a thread streams C channels of a batch row over a piece of time ----
+
+// The K-row windows of x (and with seq_idx their ids) a thread slides down its piece: rows 0 ..
+// K-2 get the K-1 times before t0, row K-1 is each step's new row.
+template <typename T, int K, int C, bool kMasked>
+__device__ __forceinline__ void load_window_before(const Conv<T, float, K>& conv, int64_t b,
+                                                   int64_t t0, int64_t d0, float (&x)[K][C],
+                                                   int32_t (&segment)[K]) {
+  for (int k = 0; k < K - 1; ++k) {
+    load_row(conv, b, t0 - (K - 1) + k, d0, x[k]);
+    if (kMasked) segment[k] = conv.segment(b, t0 - (K - 1) + k);
+  }
+}
+
+// One step down the windows: row k of each takes row k + 1, freeing the last row for the next
+// step.
+template <int K, int C, typename... Rows>
+__device__ __forceinline__ void slide_windows(int32_t (&segment)[K], Rows&... rows) {
+  for (int k = 0; k + 1 < K; ++k) {
+    segment[k] = segment[k + 1];
+    for (int c = 0; c < C; ++c) ((rows[k][c] = rows[k + 1][c]), ...);
+  }
+}
+
+// step(s) for s in [begin, end) in order: K steps per iteration, unrolled, so that sliding K-row
+// windows is register renaming rather than moves; the last few one by one. Returns the step after
+// the last, max(begin, end).
+template <int K, typename Step>
+__device__ __forceinline__ int run_steps(int begin, int end, Step&& step) {
+  int s = begin;
+#pragma unroll 1
+  for (; s + K <= end; s += K) {
+#pragma unroll
+    for (int j = 0; j < K; ++j) step(s + j);
+  }
+#pragma unroll 1
+  for (; s < end; ++s) step(s);
+  return s;
+}
+
 // N consecutive seq_idx entries (N a multiple of 4, 16-byte aligned), or -1 (no segment) where
 // live is false.
 template <int N>

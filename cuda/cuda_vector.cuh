@@ -81,12 +81,6 @@ __device__ __forceinline__ Vec<T, N> load_readonly(const T* src) {
   return from_raw<T, N>(__ldg(reinterpret_cast<const RawFor<T, N>*>(src)));
 }
 
-// A plain load, for buffers the kernel also writes.
-template <typename T, int N>
-__device__ __forceinline__ Vec<T, N> load_vec(const T* src) {
-  return from_raw<T, N>(*reinterpret_cast<const RawFor<T, N>*>(src));
-}
-
 template <typename T, int N>
 __device__ __forceinline__ Vec<T, N> zero_vec() {
   Vec<T, N> out;
@@ -101,9 +95,9 @@ __device__ __forceinline__ void store_vec(T* dst, const Vec<T, N>& value) {
   __stwb(reinterpret_cast<RawFor<T, N>*>(dst), to_raw(value));
 }
 
-// N elements of T as floats, and back (16-bit pairs convert with one instruction).
-// A bfloat16 is the high half of a float, so a pair widens with one shift and one mask (the
-// conversion intrinsics spend an extra PRMT on the high element).
+// N elements of T as floats, and back (16-bit pairs convert with one instruction). A bfloat16 is
+// the high half of a float, so a pair widens with one shift and one mask (the conversion
+// intrinsics spend an extra PRMT on the high element).
 template <typename T, int N>
 __device__ __forceinline__ void to_floats(const Vec<T, N>& in, float (&out)[N]) {
   if constexpr (std::is_same_v<T, __nv_bfloat16> && N % 2 == 0) {

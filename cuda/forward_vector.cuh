@@ -56,10 +56,7 @@ __global__ void __launch_bounds__(kForwardThreads)
     load_weights(conv, b, d0, w, bias);
     float window[K][C];  // window[k] holds x_{t-P+k}
     int32_t segment[K] = {};
-    for (int k = 0; k < P; ++k) {
-      load_row(conv, b, t0 - P + k, d0, window[k]);
-      if (kMasked) segment[k] = conv.segment(b, t0 - P + k);
-    }
+    load_window_before<T, K, C, kMasked>(conv, b, t0, d0, window, segment);
     const auto step_at = [&](int step) {
       ring_wait<kForwardDepth - 1>();
       to_floats(x_ring.template read<T, C>(step), window[P]);
@@ -76,19 +73,9 @@ __global__ void __launch_bounds__(kForwardThreads)
       }
       store_vec(y_row, from_floats<T, C>(out));
       y_row += p.channels;
-      for (int k = 0; k < P; ++k) {
-        segment[k] = segment[k + 1];
-        for (int c = 0; c < C; ++c) window[k][c] = window[k + 1][c];
-      }
+      slide_windows<K, C>(segment, window);
     };
-    int step = 0;
-#pragma unroll 1
-    for (; step + K <= steps; step += K) {
-#pragma unroll
-      for (int j = 0; j < K; ++j) step_at(step + j);
-    }
-#pragma unroll 1
-    for (; step < steps; ++step) step_at(step);
+    run_steps<K>(0, steps, step_at);
   }
 }
 
