@@ -1,11 +1,11 @@
 """Shapes that take the vectorized CUDA kernels (compile-time K <= 8, float or half x, the packs
 tiling the contiguous dimension), forward and backward against the float64 reference.
 
-Channel-last: D a multiple of 8, several 64- and 128-step tiles with tails. Channel-first: L a
-multiple of 8 over several 32-pack segments, with few rows, so that rows are cut into chunks and
-each chunk's last dx needs the next chunk's first deltas; and (GPU only, they are large) enough
-rows for whole-row warps and enough channel-last threads for 128-step tiles. On the CPU the same
-cases run the CPU kernels.
+Channel-last: D a multiple of 8, several time tiles with a tail. Channel-first: L a multiple of 8
+over several 32-pack segments, with few rows, so that rows are cut into chunks and each chunk's
+last dx needs the next chunk's first deltas; and (GPU only, they are large) enough rows for
+whole-row warps and a long channel-last row cut into many tiles. On the CPU the same cases run
+the CPU kernels.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def test_features(dev, layout, width, activation, masked, state):
 
 LARGE = [
     pytest.param("BDL", dict(batch=2, length=512, channels=4096), id="BDL-whole-rows"),
-    pytest.param("BLD", dict(batch=1, length=16384, channels=2048), id="BLD-128-step-tiles"),
+    pytest.param("BLD", dict(batch=1, length=16384, channels=2048), id="BLD-long-rows"),
 ]
 
 
