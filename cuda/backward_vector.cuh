@@ -194,21 +194,23 @@ __global__ void __launch_bounds__(kThreads)
     float dw[K + 1] = {};  // dw[K] is db
 
     // The lane's x and dy packs of the next kBackwardAhead segments that segment_delta will take.
-    Vec<T, V> x_ahead[kBackwardAhead], dy_ahead[kBackwardAhead];
-    const auto fetch = [&](int64_t s, Vec<T, V>& x_pack, Vec<T, V>& dy_pack) {
+    RawFor<T, V> x_ahead[kBackwardAhead], dy_ahead[kBackwardAhead];
+    const auto fetch = [&](int64_t s, RawFor<T, V>& x_pack, RawFor<T, V>& dy_pack) {
       const int64_t t0 = s + lane * V;
-      x_pack = t0 < loaded_end ? load_readonly<T, V>(x_row + t0) : zero_vec<T, V>();
-      dy_pack = t0 < loaded_end ? load_readonly<T, V>(dy_row + t0) : zero_vec<T, V>();
+      x_pack = load_readonly_or_zero<T, V>(x_row + t0, t0 < loaded_end);
+      dy_pack = load_readonly_or_zero<T, V>(dy_row + t0, t0 < loaded_end);
     };
     for (int a = 0; a < kBackwardAhead; ++a) fetch(item.c0 + a * kSegment, x_ahead[a], dy_ahead[a]);
 
-    // Called for segments c0, c0 + kSegment, ... in order.
-    const auto segment_delta = [&](int64_t s, SegmentDelta<V>& out) {
+    // Called for segments c0, c0 + kSegment, ... in order; interior (std::true_type) when every
+    // time of the segment exists and is the item's own.
+    const auto segment_delta = [&](int64_t s, SegmentDelta<V>& out, auto interior) {
+      constexpr bool kInterior = decltype(interior)::value;
       const int64_t t0 = s + lane * V;
-      const bool exists = t0 < loaded_end;
+      const bool exists = kInterior || t0 < loaded_end;
       float own[V], dy[V];
-      to_floats(x_ahead[0], own);
-      to_floats(dy_ahead[0], dy);
+      to_floats(from_raw<T, V>(x_ahead[0]), own);
+      to_floats(from_raw<T, V>(dy_ahead[0]), dy);
       for (int a = 0; a + 1 < kBackwardAhead; ++a) {
         x_ahead[a] = x_ahead[a + 1];
         dy_ahead[a] = dy_ahead[a + 1];
@@ -217,7 +219,7 @@ __global__ void __launch_bounds__(kThreads)
       float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}
       int32_t segments[P + V];
       carry.advance(own, segment_row, t0, exists, lane, xs, segments);
-      const bool accumulate = t0 < item.c1;
+      const bool accumulate = kInterior || t0 < item.c1;
       for (int v = 0; v < V; ++v) {
         float z = bias[0];
         for (int k = 0; k < K; ++k) {
@@ -238,7 +240,7 @@ __global__ void __launch_bounds__(kThreads)
     };
 
     SegmentDelta<V> current, next;
-    segment_delta(item.c0, current);
+    segment_delta(item.c0, current, std::false_type{});
     if (item.c0 == 0 && p.dinitial_state != nullptr) {
       // dS = dx on [-P, 0): taps of outputs 0 .. P-1, whose deltas lanes 0 and 1 hold.
       float first[P];
@@ -261,9 +263,14 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
     }
-    for (int64_t s = item.c0; s < item.c1; s += kSegment) {
-      if (s + kSegment < loaded_end) {
-        segment_delta(s + kSegment, next);
+    // dx of segment s, after the delta of segment s + kSegment. Interior (std::true_type) when
+    // both segments are the item's own: every tap's output then exists, no dx is a final-state
+    // time (a segment is longer than P) and every lane stores. The per-element tests of the
+    // checked copy compiled to a branch around each element's activation.
+    const auto segment_dx = [&](int64_t s, auto interior) {
+      constexpr bool kInterior = decltype(interior)::value;
+      if (kInterior || s + kSegment < loaded_end) {
+        segment_delta(s + kSegment, next, interior);
       } else {
         for (int v = 0; v < V; ++v) {
           next.delta[v] = 0.0f;
@@ -277,7 +284,7 @@ __global__ void __launch_bounds__(kThreads)
       if (kMasked) {
         halo_after<P, V>(current.segment, next.segment, lane, after_segment);
       } else {
-        for (int m = 0; m < P; ++m) after_segment[m] = t0 + V + m < p.length ? 0 : -1;
+        for (int m = 0; m < P; ++m) after_segment[m] = kInterior || t0 + V + m < p.length ? 0 : -1;
       }
       float g[V];
       for (int j = 0; j < V; ++j) {  // dx_{t0+j}: tap k of output t0 + j + P - k
@@ -295,12 +302,15 @@ __global__ void __launch_bounds__(kThreads)
         }
         g[j] = acc;
       }
-      if (t0 < item.c1 && t0 + V > p.length - P) {
+      if (!kInterior && t0 < item.c1 && t0 + V > p.length - P) {
         for (int j = 0; j < V; ++j) g[j] += conv.final_state_grad(item.b, t0 + j, item.d);
       }
-      if (t0 < item.c1) store_vec(dx_row + t0, from_floats<T, V>(g));
+      if (kInterior || t0 < item.c1) store_vec(dx_row + t0, from_floats<T, V>(g));
       current = next;
-    }
+    };
+    int64_t s = item.c0;
+    for (; s + 2 * kSegment <= item.c1; s += kSegment) segment_dx(s, std::true_type{});
+    for (; s < item.c1; s += kSegment) segment_dx(s, std::false_type{});
     for (int k = 0; k <= K; ++k) {
       for (int lanes = kLanes / 2; lanes > 0; lanes /= 2) {
         dw[k] += __shfl_xor_sync(kFullWarp, dw[k], lanes);

@@ -81,6 +81,14 @@ __device__ __forceinline__ Vec<T, N> load_readonly(const T* src) {
   return from_raw<T, N>(__ldg(reinterpret_cast<const RawFor<T, N>*>(src)));
 }
 
+// load_readonly's raw word where live, else zero. Kept in registers across loop iterations (loads
+// in flight), words move as 4-byte registers; a Vec of 16-bit values selected or copied there
+// compiled to two PRMTs per element.
+template <typename T, int N>
+__device__ __forceinline__ RawFor<T, N> load_readonly_or_zero(const T* src, bool live) {
+  return live ? __ldg(reinterpret_cast<const RawFor<T, N>*>(src)) : RawFor<T, N>{};
+}
+
 template <typename T, int N>
 __device__ __forceinline__ Vec<T, N> zero_vec() {
   Vec<T, N> out;

@@ -106,19 +106,19 @@ __global__ void __launch_bounds__(kThreads)
     const int32_t* segment_row = kMasked ? p.seq_idx + item.b * p.length : nullptr;
     ChannelFirstCarry<K, kMasked> carry(conv, item);
     // The lane's packs of the next kAhead segments, loaded before they are needed.
-    Vec<T, V> ahead[kForwardAhead];
+    RawFor<T, V> ahead[kForwardAhead];
     for (int a = 0; a < kForwardAhead; ++a) {
       const int64_t t = item.c0 + a * kSegment + lane * V;
-      ahead[a] = t < item.c1 ? load_readonly<T, V>(x_row + t) : zero_vec<T, V>();
+      ahead[a] = load_readonly_or_zero<T, V>(x_row + t, t < item.c1);
     }
     for (int64_t s = item.c0; s < item.c1; s += kSegment) {
       const int64_t t0 = s + lane * V;
       const bool live = t0 < item.c1;
       float own[V];
-      to_floats(ahead[0], own);
+      to_floats(from_raw<T, V>(ahead[0]), own);
       for (int a = 0; a + 1 < kForwardAhead; ++a) ahead[a] = ahead[a + 1];
       const int64_t t_ahead = t0 + kForwardAhead * kSegment;
-      ahead[kForwardAhead - 1] = t_ahead < item.c1 ? load_readonly<T, V>(x_row + t_ahead) : zero_vec<T, V>();
+      ahead[kForwardAhead - 1] = load_readonly_or_zero<T, V>(x_row + t_ahead, t_ahead < item.c1);
       float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}
       int32_t segments[P + V];
       carry.advance(own, segment_row, t0, live, lane, xs, segments);
