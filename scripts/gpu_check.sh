@@ -7,12 +7,14 @@
 #   STEPS="build determinism extreme" scripts/gpu_check.sh   # issue 7: 1000-run determinism, extreme sizes
 #   EXTREME_ARGS="--only K=256" DETERMINISM_ARGS="--runs 100"  # extra arguments for those two scripts
 #   PYTEST_ARGS="tests/test_backward.py -k determinism" scripts/gpu_check.sh
+#   PYTEST_JOBS=3 scripts/gpu_check.sh   # the tests dealt out to 3 processes on the one GPU
 #   CMAKE_ARGS=-DCMAKE_CUDA_ARCHITECTURES=90 scripts/gpu_check.sh   # H100/H200 only: faster build
 #   STEPS="build bench" BENCH_ARGS="--cases main --impls ours,copy" scripts/gpu_check.sh
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 STEPS=${STEPS:-"build tests examples"}
 PYTEST_ARGS=${PYTEST_ARGS:-tests}
+PYTEST_JOBS=${PYTEST_JOBS:-1}
 EXTREME_ARGS=${EXTREME_ARGS:-}
 DETERMINISM_ARGS=${DETERMINISM_ARGS:-}
 BENCH_ARGS=${BENCH_ARGS:-}
@@ -36,11 +38,19 @@ summary+=("gpu: $(nvidia-smi --query-gpu=name,driver_version --format=csv,nohead
 summary+=("jax: $(cd /tmp && python3 -c 'import jax, jax_causal_conv._native as n; print(jax.__version__, jax.devices()[0].platform, sorted(n.native_platforms))' 2>&1 | tail -1)")
 
 if step tests; then
-  # shellcheck disable=SC2086
-  # -P: do not put the checkout first on sys.path (it has no compiled extensions).
-  python3 -P -m pytest -q -m gpu -p no:cacheprovider $PYTEST_ARGS >"$OUT/pytest_gpu.log" 2>&1
-  summary+=("pytest -m gpu $PYTEST_ARGS: $(tail -1 "$OUT/pytest_gpu.log")")
-  grep -E "^(FAILED|ERROR)" "$OUT/pytest_gpu.log" | head -20
+  # Most of the time is XLA compiling on the host: PYTEST_JOBS processes share the GPU, each taking
+  # every PYTEST_JOBS-th test (tests/conftest.py, JCC_TEST_SHARD), none preallocating its memory.
+  for ((job = 0; job < PYTEST_JOBS; job++)); do
+    # shellcheck disable=SC2086
+    # -P: do not put the checkout first on sys.path (it has no compiled extensions).
+    JCC_TEST_SHARD=$job/$PYTEST_JOBS XLA_PYTHON_CLIENT_PREALLOCATE=false \
+      python3 -P -m pytest -q -m gpu -p no:cacheprovider $PYTEST_ARGS >"$OUT/pytest_gpu_$job.log" 2>&1 &
+  done
+  wait
+  for ((job = 0; job < PYTEST_JOBS; job++)); do
+    summary+=("pytest -m gpu $PYTEST_ARGS (shard $job/$PYTEST_JOBS): $(tail -1 "$OUT/pytest_gpu_$job.log")")
+    grep -E "^(FAILED|ERROR)" "$OUT/pytest_gpu_$job.log" | head -20
+  done
 fi
 
 if step examples; then
@@ -59,18 +69,27 @@ if step sanitizer; then
   fi
   sanitize() {  # tool, script, log
     # Without preallocation: the sanitizer keeps its own state in device memory, which XLA would
-    # otherwise have taken (a racecheck run crashed, tests/GPU.md, fourth session).
+    # otherwise have taken (a racecheck run crashed, tests/GPU.md, fourth session). The three runs
+    # share the GPU at once.
     XLA_PYTHON_CLIENT_PREALLOCATE=false compute-sanitizer --tool "$1" "${filter[@]}" \
       --error-exitcode 9 python3 "$2" >"$3" 2>&1
-    local rc=$?
-    summary+=("compute-sanitizer $1 ${filter[*]} $2: exit $rc ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$3" | tail -1); $(grep -E '^[0-9]+ mismatches|cases ok' "$3" | tail -1))")
+    echo $? >"$3.rc"
   }
-  sanitize memcheck scripts/sanitizer_cases.py "$OUT/sanitizer_memcheck.log"
-  # Values no trace-time check can see (issue 7 item 3): seq_idx, state_indices, cache_seqlens.
-  sanitize memcheck scripts/sanitizer_unvalidated.py "$OUT/sanitizer_memcheck_unvalidated.log"
-  # racecheck sees shared-memory hazards only; no kernel's shared-memory accesses depend on the
-  # unvalidated values, so the shapes of sanitizer_cases.py cover them.
-  sanitize racecheck scripts/sanitizer_cases.py "$OUT/sanitizer_racecheck.log"
+  runs=("memcheck scripts/sanitizer_cases.py $OUT/sanitizer_memcheck.log"
+    # Values no trace-time check can see (issue 7 item 3): seq_idx, state_indices, cache_seqlens.
+    "memcheck scripts/sanitizer_unvalidated.py $OUT/sanitizer_memcheck_unvalidated.log"
+    # racecheck sees shared-memory hazards only; no kernel's shared-memory accesses depend on the
+    # unvalidated values, so the shapes of sanitizer_cases.py cover them.
+    "racecheck scripts/sanitizer_cases.py $OUT/sanitizer_racecheck.log")
+  for run in "${runs[@]}"; do
+    # shellcheck disable=SC2086
+    sanitize $run &
+  done
+  wait
+  for run in "${runs[@]}"; do
+    read -r tool script log <<<"$run"
+    summary+=("compute-sanitizer $tool ${filter[*]} $script: exit $(cat "$log.rc") ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1); $(grep -E '^[0-9]+ mismatches|cases ok' "$log" | tail -1))")
+  done
 fi
 
 if step determinism; then

@@ -28,6 +28,20 @@ TOLERANCE = {
 DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16, jnp.float64]
 
 
+@pytest.hookimpl(trylast=True)  # after `-m` and `-k` have deselected, so shards stay even
+def pytest_collection_modifyitems(config, items):
+    """JCC_TEST_SHARD=i/n keeps every n-th test from the i-th. scripts/gpu_check.sh runs n such
+    processes at once on one GPU: most of a GPU test's time is XLA compiling on the host."""
+    shard = os.environ.get("JCC_TEST_SHARD")
+    if not shard:
+        return
+    index, count = (int(part) for part in shard.split("/"))
+    if not 0 <= index < count:
+        raise pytest.UsageError(f"JCC_TEST_SHARD={shard!r}: want i/n with 0 <= i < n")
+    config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % count != index])
+    items[:] = items[index::count]
+
+
 def gpu_devices():
     try:
         return jax.devices("gpu")
