@@ -69,27 +69,19 @@ if step sanitizer; then
   fi
   sanitize() {  # tool, script, log
     # Without preallocation: the sanitizer keeps its own state in device memory, which XLA would
-    # otherwise have taken (a racecheck run crashed, tests/GPU.md, fourth session). The three runs
-    # share the GPU at once.
+    # otherwise have taken (a racecheck run crashed, tests/GPU.md, fourth session). One at a time:
+    # two memcheck runs sharing the GPU with a racecheck run both crashed (fifth session).
     XLA_PYTHON_CLIENT_PREALLOCATE=false compute-sanitizer --tool "$1" "${filter[@]}" \
       --error-exitcode 9 python3 "$2" >"$3" 2>&1
-    echo $? >"$3.rc"
+    local rc=$?
+    summary+=("compute-sanitizer $1 ${filter[*]} $2: exit $rc ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$3" | tail -1); $(grep -E '^[0-9]+ mismatches|cases ok' "$3" | tail -1))")
   }
-  runs=("memcheck scripts/sanitizer_cases.py $OUT/sanitizer_memcheck.log"
-    # Values no trace-time check can see (issue 7 item 3): seq_idx, state_indices, cache_seqlens.
-    "memcheck scripts/sanitizer_unvalidated.py $OUT/sanitizer_memcheck_unvalidated.log"
-    # racecheck sees shared-memory hazards only; no kernel's shared-memory accesses depend on the
-    # unvalidated values, so the shapes of sanitizer_cases.py cover them.
-    "racecheck scripts/sanitizer_cases.py $OUT/sanitizer_racecheck.log")
-  for run in "${runs[@]}"; do
-    # shellcheck disable=SC2086
-    sanitize $run &
-  done
-  wait
-  for run in "${runs[@]}"; do
-    read -r tool script log <<<"$run"
-    summary+=("compute-sanitizer $tool ${filter[*]} $script: exit $(cat "$log.rc") ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1); $(grep -E '^[0-9]+ mismatches|cases ok' "$log" | tail -1))")
-  done
+  sanitize memcheck scripts/sanitizer_cases.py "$OUT/sanitizer_memcheck.log"
+  # Values no trace-time check can see (issue 7 item 3): seq_idx, state_indices, cache_seqlens.
+  sanitize memcheck scripts/sanitizer_unvalidated.py "$OUT/sanitizer_memcheck_unvalidated.log"
+  # racecheck sees shared-memory hazards only; no kernel's shared-memory accesses depend on the
+  # unvalidated values, so the shapes of sanitizer_cases.py cover them.
+  sanitize racecheck scripts/sanitizer_cases.py "$OUT/sanitizer_racecheck.log"
 fi
 
 if step determinism; then
