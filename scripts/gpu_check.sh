@@ -72,13 +72,15 @@ if step sanitizer; then
     # otherwise have taken (a racecheck run crashed, tests/GPU.md, fourth session). One at a time:
     # two memcheck runs sharing the GPU with a racecheck run both crashed (fifth session).
     XLA_PYTHON_CLIENT_PREALLOCATE=false compute-sanitizer --tool "$1" "${filter[@]}" \
-      --error-exitcode 9 python3 "$2" >"$3" 2>&1
+      --error-exitcode 9 python3 $2 >"$3" 2>&1  # $2: the script and its arguments
     local rc=$?
     summary+=("compute-sanitizer $1 ${filter[*]} $2: exit $rc ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$3" | tail -1); $(grep -E '^[0-9]+ mismatches|cases ok' "$3" | tail -1))")
   }
   sanitize memcheck scripts/sanitizer_cases.py "$OUT/sanitizer_memcheck.log"
   # Values no trace-time check can see (issue 7 item 3): seq_idx, state_indices, cache_seqlens.
-  sanitize memcheck scripts/sanitizer_unvalidated.py "$OUT/sanitizer_memcheck_unvalidated.log"
+  for section in conv update varlen; do
+    sanitize memcheck "scripts/sanitizer_unvalidated.py $section" "$OUT/sanitizer_memcheck_unvalidated_$section.log"
+  done
   # racecheck sees shared-memory hazards only; no kernel's shared-memory accesses depend on the
   # unvalidated values, so the shapes of sanitizer_cases.py cover them.
   sanitize racecheck scripts/sanitizer_cases.py "$OUT/sanitizer_racecheck.log"

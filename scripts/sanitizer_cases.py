@@ -1,7 +1,7 @@
 """Forward and backward on a few shapes, for compute-sanitizer (memcheck, racecheck).
 
 Covers both layouts, a seq_idx case with padding, an L < K-1 case with states, a long generic-K
-case, and checks each result against the reference so a wrong answer also fails the run.
+case, channel-first rows long and many enough for the backward's edge-free segments, and checks each result against the reference so a wrong answer also fails the run.
 """
 
 import jax
@@ -26,6 +26,11 @@ CASES = [
     (2, 2, 64, 4, "BLD", jnp.float32, False, True),      # L < K-1
     (3, 264, 16, 3, "BDL", jnp.float16, True, True),
     (2, 520, 8, 4, "BDL", jnp.float64, False, True),
+    # channel-first rows many enough that the backward splits them into pieces of several
+    # segments, whose inner segments take its copy of the segment without edge tests
+    (1, 4096, 2048, 4, "BDL", jnp.bfloat16, False, True),
+    (1, 4096, 2048, 3, "BDL", jnp.bfloat16, True, True),
+    (1, 2048, 2048, 4, "BDL", jnp.float32, True, False),
 ]
 
 

@@ -6,8 +6,10 @@ int32 (shift and ring modes, vectorizable and generic widths), and causal_conv1d
 cu_seqlens out of order, negative and past T. Each result is checked against the float64
 reference, so a wrong answer fails the run as well as an out-of-bounds access.
 
-    compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitizer_unvalidated.py
+    compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitizer_unvalidated.py [conv] [update] [varlen]
 """
+
+import sys
 
 import jax
 
@@ -139,12 +141,20 @@ def varlen_cases(rng):
             report(f"varlen cu={np.asarray(cu).tolist()} [{i}]", g, r, TOL[jnp.float32])
 
 
+SECTIONS = {"conv": conv_cases, "update": update_cases, "varlen": varlen_cases}
+
+
 def main():
+    # Sections by name (all by default): one sanitizer process per section keeps a crash of the
+    # sanitizer itself from hiding the sections after it.
+    names = sys.argv[1:] or list(SECTIONS)
+    unknown = sorted(set(names) - set(SECTIONS))
+    if unknown:
+        raise SystemExit(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
     print("devices:", jax.devices())
     rng = np.random.default_rng(0)
-    conv_cases(rng)
-    update_cases(rng)
-    varlen_cases(rng)
+    for name in names:
+        SECTIONS[name](rng)
     print(f"{len(failures)} mismatches")
     if failures:
         raise SystemExit(1)
