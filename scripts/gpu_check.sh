@@ -71,18 +71,16 @@ if step sanitizer; then
     # Without preallocation: the sanitizer keeps its own state in device memory, which XLA would
     # otherwise have taken (a racecheck run crashed, tests/GPU.md, fourth session). One at a time:
     # two memcheck runs sharing the GPU with a racecheck run both crashed (fifth session).
-    local used=("${filter[@]}")
-    XLA_PYTHON_CLIENT_PREALLOCATE=false compute-sanitizer --tool "$1" "${used[@]}" \
-      --error-exitcode 9 python3 $2 >"$3" 2>&1  # $2: the script and its arguments
-    local rc=$?
-    if (( rc == 139 && ${#used[@]} )); then
-      # The sanitizer itself dies by SIGSEGV now and then with the kernel filter, at varying points
-      # and never without it (tests/GPU.md, fifth session): run again, every kernel instrumented.
-      used=()
-      XLA_PYTHON_CLIENT_PREALLOCATE=false compute-sanitizer --tool "$1" \
-        --error-exitcode 9 python3 $2 >"$3" 2>&1
+    # The sanitizer itself dies by SIGSEGV now and then with the kernel filter, at varying points
+    # and never without it (tests/GPU.md, fifth session): then once more, every kernel instrumented.
+    local used=("${filter[@]}") rc
+    while true; do
+      XLA_PYTHON_CLIENT_PREALLOCATE=false compute-sanitizer --tool "$1" "${used[@]}" \
+        --error-exitcode 9 python3 $2 >"$3" 2>&1  # $2: the script and its arguments
       rc=$?
-    fi
+      (( rc == 139 && ${#used[@]} )) || break
+      used=()
+    done
     summary+=("compute-sanitizer $1 ${used[*]} $2: exit $rc ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$3" | tail -1); $(grep -E '^[0-9]+ mismatches|cases ok' "$3" | tail -1))")
   }
   sanitize memcheck scripts/sanitizer_cases.py "$OUT/sanitizer_memcheck.log"

@@ -1,7 +1,8 @@
 """Forward and backward on a few shapes, for compute-sanitizer (memcheck, racecheck).
 
 Covers both layouts, a seq_idx case with padding, an L < K-1 case with states, a long generic-K
-case, channel-first rows long and many enough for the backward's edge-free segments, and checks each result against the reference so a wrong answer also fails the run.
+case, channel-first rows long and many enough for the backward's edge-free segments, and checks
+each result against the reference so a wrong answer also fails the run.
 """
 
 import jax

@@ -35,7 +35,10 @@ def pytest_collection_modifyitems(config, items):
     shard = os.environ.get("JCC_TEST_SHARD")
     if not shard:
         return
-    index, count = (int(part) for part in shard.split("/"))
+    try:
+        index, count = (int(part) for part in shard.split("/"))
+    except ValueError:
+        index, count = -1, 0
     if not 0 <= index < count:
         raise pytest.UsageError(f"JCC_TEST_SHARD={shard!r}: want i/n with 0 <= i < n")
     config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % count != index])
