@@ -1,8 +1,10 @@
 """Forward and backward on a few shapes, for compute-sanitizer (memcheck, racecheck).
 
-Covers both layouts, a seq_idx case with padding, an L < K-1 case with states, a long generic-K
-case, channel-first rows long and many enough for the backward's edge-free segments, and checks
-each result against the reference so a wrong answer also fails the run.
+Covers both layouts, seq_idx cases with padding (one boundary, or many so that kernels which skip
+the boundary tests inside a segment take both paths), an L < K-1 case with states, a long
+generic-K case, channel-first rows long and many enough for the backward's edge-free segments,
+short channel-first rows of a few packs, and checks each result against the reference so a wrong
+answer also fails the run.
 """
 
 import jax
@@ -15,29 +17,37 @@ import numpy as np  # noqa: E402
 import jax_causal_conv as jcc  # noqa: E402
 
 CASES = [
-    # batch, length, channels, width, layout, dtype, seq_idx, initial_state
-    (2, 200, 70, 4, "BLD", jnp.float32, False, True),
-    (2, 200, 70, 4, "BDL", jnp.bfloat16, False, True),
-    (3, 130, 33, 3, "BLD", jnp.float16, True, True),
-    (2, 2, 40, 8, "BDL", jnp.float32, False, True),    # L < K-1: F holds entries of S
-    (1, 100, 17, 17, "BLD", jnp.float64, True, False),  # generic-width path
+    # batch, length, channels, width, layout, dtype, segments of seq_idx (0: none), initial_state
+    (2, 200, 70, 4, "BLD", jnp.float32, 0, True),
+    (2, 200, 70, 4, "BDL", jnp.bfloat16, 0, True),
+    (3, 130, 33, 3, "BLD", jnp.float16, 2, True),
+    (2, 2, 40, 8, "BDL", jnp.float32, 0, True),    # L < K-1: F holds entries of S
+    (1, 100, 17, 17, "BLD", jnp.float64, 2, False),  # generic-width path
     # vectorized paths: K <= 4 and D (BLD) or L (BDL) a multiple of the 16-byte pack
-    (2, 200, 64, 4, "BLD", jnp.bfloat16, True, True),
-    (2, 136, 64, 2, "BLD", jnp.float32, False, True),
-    (2, 2, 64, 4, "BLD", jnp.float32, False, True),      # L < K-1
-    (3, 264, 16, 3, "BDL", jnp.float16, True, True),
-    (2, 520, 8, 4, "BDL", jnp.float64, False, True),
+    (2, 200, 64, 4, "BLD", jnp.bfloat16, 2, True),
+    (2, 136, 64, 2, "BLD", jnp.float32, 0, True),
+    (2, 2, 64, 4, "BLD", jnp.float32, 0, True),      # L < K-1
+    (3, 264, 16, 3, "BDL", jnp.float16, 2, True),
+    (2, 520, 8, 4, "BDL", jnp.float64, 0, True),
     # channel-first rows many enough that the backward splits them into pieces of several
     # segments, whose inner segments take its copy of the segment without edge tests
-    (1, 4096, 2048, 4, "BDL", jnp.bfloat16, False, True),
-    (1, 4096, 2048, 3, "BDL", jnp.bfloat16, True, True),
-    (1, 2048, 2048, 4, "BDL", jnp.float32, True, False),
+    (1, 4096, 2048, 4, "BDL", jnp.bfloat16, 0, True),
+    (1, 4096, 2048, 3, "BDL", jnp.bfloat16, 2, True),
+    (1, 2048, 2048, 4, "BDL", jnp.float32, 2, False),
+    # many boundaries: steps inside a segment and steps whose windows cross one
+    (2, 1000, 64, 4, "BLD", jnp.bfloat16, 9, True),
+    (2, 600, 128, 3, "BLD", jnp.float32, 7, True),
+    (1, 4096, 512, 4, "BDL", jnp.bfloat16, 12, True),
+    # short channel-first rows: a few packs each, several rows per warp
+    (64, 128, 256, 4, "BDL", jnp.bfloat16, 0, True),
+    (40, 24, 36, 4, "BDL", jnp.float32, 3, True),
+    (8, 256, 64, 8, "BDL", jnp.float16, 4, False),
 ]
 
 
 def main():
     rng = np.random.default_rng(0)
-    for batch, length, channels, width, layout, dtype, with_seq, with_state in CASES:
+    for batch, length, channels, width, layout, dtype, segments, with_state in CASES:
         x_shape = (batch, length, channels) if layout == "BLD" else (batch, channels, length)
         s_shape = (batch, width - 1, channels) if layout == "BLD" else (batch, channels, width - 1)
         x = jnp.asarray(rng.standard_normal(x_shape), dtype)
@@ -45,9 +55,9 @@ def main():
         b = jnp.asarray(rng.standard_normal(channels), jnp.float32)
         s = jnp.asarray(rng.standard_normal(s_shape), dtype) if with_state else None
         seq = None
-        if with_seq:
-            ids = np.zeros((batch, length), np.int32)
-            ids[:, length // 3:] = 1
+        if segments:
+            ids = np.broadcast_to(np.arange(length) * segments // length, (batch, length))
+            ids = ids.astype(np.int32)
             ids[:, length - 5:] = -1
             seq = jnp.asarray(ids)
 
@@ -66,7 +76,7 @@ def main():
         tol = {jnp.float32: 1e-5, jnp.float64: 1e-12, jnp.float16: 2e-3, jnp.bfloat16: 1e-2}[dtype]
         # Low-precision x rounds y before the loss, so allow the dtype's tolerance only.
         status = "ok" if max(errs) <= max(tol, 1e-5) * 10 else "MISMATCH"
-        print(batch, length, channels, width, layout, jnp.dtype(dtype).name, with_seq, with_state,
+        print(batch, length, channels, width, layout, jnp.dtype(dtype).name, segments, with_state,
               ["%.1e" % e for e in errs], status)
         if status != "ok":
             raise SystemExit(1)
