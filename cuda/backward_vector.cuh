@@ -11,7 +11,7 @@
 namespace causal_conv {
 
 // Bytes of x (and as many of dy) in flight per thread in the channel-last backward: a RowRing of
-// 8 rows of 8 bytes or 4 of 16; with seq_idx a third ring of as many 4-byte ids.
+// 8 rows of 8 bytes or 4 of 16.
 constexpr int kBackwardRingBytes = 64;
 // Threads per channel-last backward block, and weights per thread (K x C).
 constexpr int kBackwardThreads = 128;
@@ -19,23 +19,25 @@ constexpr int kBackwardBudget = 16;
 
 // Blocks per SM the register allocation must allow. Up to 16 weights a thread needs about 132
 // registers, 3 blocks of 128 per SM; capped at 128 (4 blocks) the main workload's backward took
-// 131.5 us against 135.7. Wider or masked kernels keep what they need: the cap makes them spill.
-template <typename T, int K, bool kMasked>
+// 131.5 us against 135.7. Wider kernels keep what they need: the cap makes them spill. With
+// seq_idx the cap holds as well: the tap tests run in the checked copy only (see below).
+template <typename T, int K>
 constexpr int backward_min_blocks() {
-  return !kMasked && channels_per_thread<T, K, kBackwardBudget>() * K <= 16 ? 4 : 1;
+  return channels_per_thread<T, K, kBackwardBudget>() * K <= 16 ? 4 : 1;
 }
 
 // (B, L, D), D a multiple of C. A thread owns C channels over one tile [t0, t1) and streams s from
-// t0 to t1 + P - 1 with K-row register windows of x, delta and segment ids. At step s it finishes
-// delta_s, adds delta_s's dw/db terms when it owns s, and emits dx_{s-P}, whose deltas (s-P .. s)
-// are all in the window by then.
+// t0 to t1 + P - 1 with K-row register windows of x and delta. At step s it finishes delta_s, adds
+// delta_s's dw/db terms when it owns s, and emits dx_{s-P}, whose deltas (s-P .. s) are all in the
+// window by then.
 //
 // Steps P .. owned - 1 are interior: the rows exist, the thread owns them and every tap of
 // dx_{s-P} has its output in [0, L). They run a copy of the step with none of the edge tests,
 // unrolled K times so that the window shifts are register renaming rather than moves; the first
-// and last P steps run the checked copy.
+// and last P steps run the checked copy. With seq_idx, so do the steps whose windows SegmentSteps
+// finds across a segment boundary or at padding, with tap tests.
 template <typename T, int K, bool kMasked>
-__global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K, kMasked>())
+__global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
     backward_channel_last_kernel(ConvParams p, float* partials, int64_t tile_len, int64_t tiles) {
   constexpr int C = channels_per_thread<T, K, kBackwardBudget>();
   constexpr int P = K - 1;
@@ -43,9 +45,7 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K, kM
   constexpr int kDepth = kBackwardRingBytes / static_cast<int>(sizeof(Row));
   __shared__ Row x_slots[kDepth * kBackwardThreads];
   __shared__ Row dy_slots[kDepth * kBackwardThreads];
-  __shared__ int32_t segment_slots[kMasked ? kDepth * kBackwardThreads : 1];
   const RowRing<kDepth, Row, kBackwardThreads> x_ring{x_slots}, dy_ring{dy_slots};
-  const RowRing<kDepth, int32_t, kBackwardThreads> segment_ring{segment_slots};
   const Conv<T, float, K> conv{p};
   const int64_t packs = p.channels / C;
   const int64_t total = p.batch * tiles * packs;
@@ -61,24 +61,23 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K, kM
     // One element offset serves x, dy and dx (three pointers cost registers the cap above lacks):
     // the offset of the next fetch's row, kDepth rows after the current step's.
     int64_t next_row = (b * p.length + t0) * p.channels + d0;
-    const int32_t* segment_next = kMasked ? p.seq_idx + b * p.length + t0 : nullptr;
     const auto fetch = [&](int step) {
       const bool live = step < live_steps;
       x_ring.fetch(step, static_cast<const T*>(p.x) + next_row, live);
       dy_ring.fetch(step, static_cast<const T*>(p.dy) + next_row, live);
-      if (kMasked) segment_ring.fetch(step, segment_next, live);
       ring_commit();
       next_row += p.channels;
-      if (kMasked) ++segment_next;
     };
     for (int step = 0; step < kDepth; ++step) fetch(step);
     float w[K][C], bias[C], dw[K][C] = {}, db[C] = {};
     load_weights(conv, b, d0, w, bias);
     float x[K][C], delta[K][C] = {};
-    int32_t segment[K] = {};
-    load_window_before<T, K, C, kMasked>(conv, b, t0, d0, x, segment);
-    // One step; interior is std::true_type on the interior steps (see above).
-    const auto step_at = [&](int step, auto interior) {
+    load_window_before(conv, b, t0, d0, x);
+    using Segments = SegmentSteps<K, C>;
+    const Segments segments{p, b, t0, d0, live_steps};
+    // One step; interior is std::true_type on the interior steps (see above), taps those of
+    // SegmentSteps: the constant kAllTaps leaves no tap test.
+    const auto step_at = [&](int step, auto interior, uint32_t taps) {
       constexpr bool kInterior = decltype(interior)::value;
       const int64_t s = t0 + step;
       const bool live = kInterior || step < live_steps;
@@ -87,18 +86,16 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K, kM
       if (live) {
         to_floats(x_ring.template read<T, C>(step), x[P]);
         to_floats(dy_ring.template read<T, C>(step), dy);
-        if (kMasked) segment[P] = segment_ring.read(step);
       } else {
         for (int c = 0; c < C; ++c) x[P][c] = dy[c] = 0.0f;
-        segment[P] = -1;
       }
       fetch(step + kDepth);  // into the slots just read
-      const bool output = live && !(kMasked && segment[P] < 0);
+      const bool output = live && Segments::has(taps, P);
       for (int c = 0; c < C; ++c) {
         float z = bias[c];
         for (int k = 0; k < K; ++k) {
           const float tap = fmaf(w[k][c], x[k][c], z);
-          z = (!kMasked || same_segment(segment[P], segment[k])) ? tap : z;
+          z = Segments::has(taps, k) ? tap : z;
         }
         delta[P][c] = output ? dy[c] * activation_grad(z, p.silu) : 0.0f;
       }
@@ -107,7 +104,7 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K, kM
           db[c] += delta[P][c];
           for (int k = 0; k < K; ++k) {
             const float term = fmaf(delta[P][c], x[k][c], dw[k][c]);
-            dw[k][c] = (!kMasked || same_segment(segment[P], segment[k])) ? term : dw[k][c];
+            dw[k][c] = Segments::has(taps, k) ? term : dw[k][c];
           }
         }
       }
@@ -121,7 +118,7 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K, kM
           g[c] = 0.0f;
           for (int k = 0; k < K; ++k) {
             const bool used = (outputs_exist || (s - k >= 0 && s - k < p.length)) &&
-                              (!kMasked || same_segment(segment[P - k], segment[0]));
+                              Segments::has(taps, Segments::kInputTaps + k);
             g[c] = used ? fmaf(w[k][c], delta[P - k][c], g[c]) : g[c];
           }
         }
@@ -136,14 +133,28 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K, kM
                     from_floats<T, C>(g));
         }
       }
-      slide_windows<K, C>(segment, x, delta);
+      slide_windows<K, C>(x, delta);
     };
-    int step = 0;
+    const auto interior = [&](int begin, int end) {
+      return run_steps<K>(begin, end, [&](int step) {
+        step_at(step, std::true_type{}, Segments::kAllTaps);
+      });
+    };
+    const auto checked = [&](int step, bool needs_seq_idx) {
+      step_at(step, std::false_type{}, needs_seq_idx ? segments.taps(step) : Segments::kAllTaps);
+    };
+    if constexpr (kMasked) {
+      // The steps that need tap tests are few: one checked copy serves them and the edges (a
+      // second one, or an interior copy with tap tests, cost registers that the cap lacks).
+      segments.run(0, owned + P, P, owned, interior, checked);
+    } else {
+      int step = 0;
 #pragma unroll 1
-    for (; step < P; ++step) step_at(step, std::false_type{});
-    step = run_steps<K>(step, owned, [&](int interior) { step_at(interior, std::true_type{}); });
+      for (; step < P; ++step) checked(step, false);
+      step = interior(step, owned);
 #pragma unroll 1
-    for (; step < owned + P; ++step) step_at(step, std::false_type{});
+      for (; step < owned + P; ++step) checked(step, false);
+    }
     float* out = partials + ((b * tiles + tile) * p.channels + d0) * (K + 1);
     for (int c = 0; c < C; ++c) {
       for (int k = 0; k < K; ++k) out[c * (K + 1) + k] = dw[k][c];

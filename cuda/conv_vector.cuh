@@ -3,12 +3,14 @@
 // warp streaming a channel-first row.
 //
 // The vectorized kernels take a compile-time width K and a compile-time kMasked (seq_idx given):
-// without it the tap loop is K fused multiply-adds per element, with no selects. They accumulate
-// in float (double x takes the generic kernels) and move 8 or 16 bytes per access.
+// without it the tap loop is K fused multiply-adds per element, with no selects (and with it, the
+// channel-last kernels run that loop too wherever a step's window lies inside one segment). They
+// accumulate in float (double x takes the generic kernels) and move 8 or 16 bytes per access.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "conv_math.h"
 #include "cuda_vector.cuh"
@@ -56,24 +58,19 @@ __device__ __forceinline__ void load_row(const Conv<T, float, K>& conv, int64_t 
 
 // ---- channel-last columns: a thread streams C channels of a batch row over a piece of time ----
 
-// The K-row windows of x (and with seq_idx their ids) a thread slides down its piece: rows 0 ..
-// K-2 get the K-1 times before t0, row K-1 is each step's new row.
-template <typename T, int K, int C, bool kMasked>
+// The K-row window of x a thread slides down its piece: rows 0 .. K-2 get the K-1 times before t0
+// (the initial state or zeros before time 0), row K-1 is each step's new row.
+template <typename T, int K, int C>
 __device__ __forceinline__ void load_window_before(const Conv<T, float, K>& conv, int64_t b,
-                                                   int64_t t0, int64_t d0, float (&x)[K][C],
-                                                   int32_t (&segment)[K]) {
-  for (int k = 0; k < K - 1; ++k) {
-    load_row(conv, b, t0 - (K - 1) + k, d0, x[k]);
-    if (kMasked) segment[k] = conv.segment(b, t0 - (K - 1) + k);
-  }
+                                                   int64_t t0, int64_t d0, float (&x)[K][C]) {
+  for (int k = 0; k < K - 1; ++k) load_row(conv, b, t0 - (K - 1) + k, d0, x[k]);
 }
 
-// One step down the windows: row k of each takes row k + 1, freeing the last row for the next
+// One step down K-row windows: row k of each takes row k + 1, freeing the last row for the next
 // step.
 template <int K, int C, typename... Rows>
-__device__ __forceinline__ void slide_windows(int32_t (&segment)[K], Rows&... rows) {
+__device__ __forceinline__ void slide_windows(Rows&... rows) {
   for (int k = 0; k + 1 < K; ++k) {
-    segment[k] = segment[k + 1];
     for (int c = 0; c < C; ++c) ((rows[k][c] = rows[k + 1][c]), ...);
   }
 }
@@ -93,6 +90,133 @@ __device__ __forceinline__ int run_steps(int begin, int end, Step&& step) {
   for (; s < end; ++s) step(s);
   return s;
 }
+
+// With seq_idx, a channel-last step whose window lies inside one segment (the ids of its K times
+// are one id >= 0) computes with the step code without seq_idx exactly what the masked code would:
+// every tap is used and its output is no padding. In packed rows nearly every step is such a step,
+// so a thread finds, 32 steps at a time, the few that are not (the P steps after each segment
+// boundary, whose windows reach across it, and padding), and takes the code with tap tests only
+// there, without the id loads and tap selects of every step. (A ring of ids in shared memory, as
+// for x, cost every step registers and issue slots, and the backward its occupancy.)
+constexpr int kSegmentChunk = 32;  // steps a 32-bit mask covers, one a lane
+
+// The seq_idx side of a channel-last thread whose step j has time t0 + j of batch row b, for
+// steps j >= -P (the P before step 0 fill its first window), channels d0 .. d0 + C - 1. It refers
+// to the kernel's values and keeps no pointer or bound of its own: in the backward, held across
+// the step loops, two more registers made its cap of 128 spill.
+template <int K, int C>
+struct SegmentSteps {
+  static constexpr int P = K - 1;
+  // Bits of taps(j): bit k (k < K) whether output j reads x of step j - P + k (so bit P whether
+  // step j has an output), bit kInputTaps + k whether output j - k reads x of step j - P.
+  static constexpr int kInputTaps = 8;
+  static_assert(K <= kInputTaps, "a tap bit per k");
+  static constexpr uint32_t kOutputTaps = (1u << K) - 1;
+  static constexpr uint32_t kAllTaps = ~0u;  // every tap used: a window inside one segment
+
+  const ConvParams& p;
+  const int64_t &b, &t0, &d0;
+  const int& live;  // the steps the thread streams: their times are before L
+
+  // Steps [begin, end) in order: uniform(begin', end') for the stretches of steps in [open, close)
+  // whose windows lie inside one segment, other(j, needs) for every other step j, needs telling
+  // whether its window is not inside one segment (a step outside [open, close) may be one whose
+  // window is). The lanes of the thread's group (see masked_steps) must call it alike.
+  template <typename Uniform, typename Other>
+  __device__ __forceinline__ void run(int begin, int end, int open, int close, Uniform&& uniform,
+                                      Other&& other) const {
+#pragma unroll 1
+    for (int chunk = begin; chunk < end; chunk += kSegmentChunk) {
+      const int chunk_end = std::min(chunk + kSegmentChunk, end);
+      const uint32_t needs = masked_steps(chunk, chunk_end);
+      // Bit i: step chunk + i goes to other().
+      uint32_t pending = needs | low_bits(open - chunk) | ~low_bits(close - chunk);
+      int step = chunk;
+#pragma unroll 1
+      while (true) {
+        const int next =
+            pending == 0 ? chunk_end
+                         : std::min(chunk + __ffs(static_cast<int>(pending)) - 1, chunk_end);
+        uniform(step, next);
+        if (next == chunk_end) break;
+        other(next, (needs >> (next - chunk)) & 1);
+        pending &= pending - 1;
+        step = next + 1;
+      }
+    }
+  }
+
+  // The taps of step j (see kInputTaps): all of them just when its window lies inside one
+  // segment.
+  __device__ __forceinline__ uint32_t taps(int j) const {
+    const int32_t* ids = this->ids();
+    int32_t window[K];
+    for (int k = 0; k < K; ++k) window[k] = id(ids, j - P + k);
+    return taps(window);
+  }
+
+  // The taps of a step whose window has the ids window[0 .. P] (window[P] its own).
+  static __device__ __forceinline__ uint32_t taps(const int32_t (&window)[K]) {
+    uint32_t bits = 0;
+    for (int k = 0; k < K; ++k) {
+      bits |= static_cast<uint32_t>(same_segment(window[P], window[k])) << k;
+      bits |= static_cast<uint32_t>(same_segment(window[P - k], window[0])) << (kInputTaps + k);
+    }
+    return bits;
+  }
+
+  static __device__ __forceinline__ bool has(uint32_t taps, int bit) { return (taps >> bit) & 1u; }
+
+  // Bit i: whether step begin + i (i < end - begin <= 32) needs the tap tests, its window not
+  // inside one segment. A step at or past live is counted as one that does (its id is -1).
+  //
+  // The lanes of the thread's group work it out together. A warp's threads take 32 consecutive
+  // items, and consecutive items are the channel packs of one piece of a row, so the lanes that
+  // stream this piece are lanes first .. first + size - 1 (all 32 when a row's packs are a
+  // multiple of 32). Mostly the ids of steps begin - P .. begin + 31 are all one id >= 0 and no
+  // step needs the tap tests: the lanes read them a few each and vote. Else each looks at every
+  // size-th step, whose window's ids its neighbours have just read. (Shuffles instead of these
+  // loads compiled to calls for a diverged warp, which cost the callers registers.)
+  __device__ __forceinline__ uint32_t masked_steps(int begin, int end) const {
+    static_assert(kSegmentChunk == kLanes, "a step a lane");
+    const int lane = static_cast<int>(threadIdx.x % kLanes);
+    const int pack = static_cast<int>(d0 / C), packs = static_cast<int>(p.channels / C);
+    const int first = std::max(lane - pack, 0);
+    const int size = std::min(lane - pack + packs, int{kLanes}) - first, rank = lane - first;
+    const unsigned group = (size == kLanes ? kFullWarp : (1u << size) - 1) << first;
+    const int32_t* ids = this->ids();
+    const int32_t first_id = id(ids, begin - P);
+    bool same = first_id >= 0;
+#pragma unroll 1
+    for (int at = rank; at < kLanes + P; at += size) same &= id(ids, begin - P + at) == first_id;
+    if (__all_sync(group, same)) return 0;
+    uint32_t bits = 0;
+#pragma unroll 1
+    for (int at = 0; at < kLanes; at += size) {
+      const int j = begin + at + rank;
+      const bool needs = at + rank < kLanes && j < end && (taps(j) & kOutputTaps) != kOutputTaps;
+      bits |= __ballot_sync(group, needs) >> first << at;
+    }
+    return bits;
+  }
+
+  // seg() of step j's time, ids = ids(): as Conv::segment has it, times before 0 (the initial
+  // state) have time 0's id; steps from live on have none (-1).
+  __device__ __forceinline__ int32_t id(const int32_t* ids, int j) const {
+    return j < live ? ids[std::max(j, first_step())] : -1;
+  }
+
+  // The n lowest bits (none for n <= 0, all for n >= 32).
+  static __device__ __forceinline__ uint32_t low_bits(int n) {
+    return n <= 0 ? 0 : n >= 32 ? ~0u : (1u << n) - 1;
+  }
+
+  // seq_idx[b, t0], step 0's id, and the first step whose time is not before 0.
+  __device__ __forceinline__ const int32_t* ids() const { return p.seq_idx + b * p.length + t0; }
+  __device__ __forceinline__ int first_step() const {
+    return -static_cast<int>(std::min<int64_t>(t0, P));
+  }
+};
 
 // N consecutive seq_idx entries (N a multiple of 4, 16-byte aligned), or -1 (no segment) where
 // live is false.

@@ -8,7 +8,7 @@
 namespace causal_conv {
 
 // Rows in flight per thread (RowRing depth) and threads per block: 16 x 8 bytes x 128 threads =
-// 16 KB of shared memory per block (and 8 KB more for the seq_idx ring).
+// 16 KB of shared memory per block.
 constexpr int kForwardDepth = 16;
 constexpr int kForwardThreads = 128;
 // Channels per channel-last forward thread: kForwardBudget / K taps, 8-byte accesses for 16-bit x
@@ -17,8 +17,10 @@ constexpr int kForwardThreads = 128;
 constexpr int kForwardBudget = 16;
 
 // (B, L, D), D a multiple of C: a thread owns C channels over time_chunk steps and slides a
-// K-row register window down them; its next rows (and with seq_idx their ids) arrive through
-// RowRings. The step loop is unrolled K times, so that the window shifts are register renaming.
+// K-row register window down them; its next rows arrive through a RowRing. The step loop is
+// unrolled K times, so that the window shifts are register renaming. With seq_idx, the steps whose
+// windows SegmentSteps finds across a segment boundary or at padding run one by one, with tap
+// tests.
 template <typename T, int K, bool kMasked>
 __global__ void __launch_bounds__(kForwardThreads)
     forward_channel_last_kernel(ConvParams p, int64_t time_chunk) {
@@ -26,9 +28,7 @@ __global__ void __launch_bounds__(kForwardThreads)
   constexpr int P = K - 1;
   using Row = RawFor<T, C>;
   __shared__ Row x_slots[kForwardDepth * kForwardThreads];
-  __shared__ int32_t segment_slots[kMasked ? kForwardDepth * kForwardThreads : 1];
   const RowRing<kForwardDepth, Row, kForwardThreads> x_ring{x_slots};
-  const RowRing<kForwardDepth, int32_t, kForwardThreads> segment_ring{segment_slots};
   const Conv<T, float, K> conv{p};
   const int64_t packs = p.channels / C;
   const int64_t chunks = (p.length + time_chunk - 1) / time_chunk;
@@ -41,41 +41,47 @@ __global__ void __launch_bounds__(kForwardThreads)
     const int steps = static_cast<int>(std::min(time_chunk, p.length - t0));
     const int64_t first = (b * p.length + t0) * p.channels + d0;
     const T* x_next = static_cast<const T*>(p.x) + first;  // the row of the next fetch
-    const int32_t* segment_next = kMasked ? p.seq_idx + b * p.length + t0 : nullptr;
     T* y_row = static_cast<T*>(p.y) + first;
     const auto fetch = [&](int step) {
-      const bool live = step < steps;
-      x_ring.fetch(step, x_next, live);
-      if (kMasked) segment_ring.fetch(step, segment_next, live);
+      x_ring.fetch(step, x_next, step < steps);
       ring_commit();
       x_next += p.channels;
-      if (kMasked) ++segment_next;
     };
     for (int step = 0; step < kForwardDepth; ++step) fetch(step);
     float w[K][C], bias[C];
     load_weights(conv, b, d0, w, bias);
     float window[K][C];  // window[k] holds x_{t-P+k}
-    int32_t segment[K] = {};
-    load_window_before<T, K, C, kMasked>(conv, b, t0, d0, window, segment);
-    const auto step_at = [&](int step) {
+    load_window_before(conv, b, t0, d0, window);
+    using Segments = SegmentSteps<K, C>;
+    const Segments segments{p, b, t0, d0, steps};
+    // One step, with the taps of SegmentSteps: the constant kAllTaps leaves no tap test.
+    const auto step_at = [&](int step, uint32_t taps) {
       ring_wait<kForwardDepth - 1>();
       to_floats(x_ring.template read<T, C>(step), window[P]);
-      if (kMasked) segment[P] = segment_ring.read(step);
       fetch(step + kForwardDepth);  // into the slots just read
       float out[C];
       for (int c = 0; c < C; ++c) {
         float z = bias[c];
         for (int k = 0; k < K; ++k) {
           const float tap = fmaf(w[k][c], window[k][c], z);
-          z = (!kMasked || same_segment(segment[P], segment[k])) ? tap : z;
+          z = Segments::has(taps, k) ? tap : z;
         }
-        out[c] = (kMasked && segment[P] < 0) ? 0.0f : activate(z, p.silu);
+        out[c] = Segments::has(taps, P) ? activate(z, p.silu) : 0.0f;
       }
       store_vec(y_row, from_floats<T, C>(out));
       y_row += p.channels;
-      slide_windows<K, C>(segment, window);
+      slide_windows<K, C>(window);
     };
-    run_steps<K>(0, steps, step_at);
+    const auto uniform = [&](int begin, int end) {
+      run_steps<K>(begin, end, [&](int step) { step_at(step, Segments::kAllTaps); });
+    };
+    if constexpr (kMasked) {
+      // The forward has no edge steps: every other step is one that needs the tap tests.
+      segments.run(0, steps, 0, steps, uniform,
+                   [&](int step, bool) { step_at(step, segments.taps(step)); });
+    } else {
+      uniform(0, steps);
+    }
   }
 }
 
