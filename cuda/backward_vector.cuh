@@ -155,11 +155,10 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K, kM
 // Segments whose x and dy packs a channel-first lane has in flight.
 constexpr int kBackwardAhead = 2;
 
-// delta (and segment ids) of one channel-first segment, V times per lane.
+// delta of one channel-first segment, V times per lane.
 template <int V>
 struct SegmentDelta {
   float delta[V];
-  int32_t segment[V];  // seq_idx, or 0 without one; -1 where the time does not exist
 };
 
 // (B, D, L), L a multiple of the pack V. A warp streams chunk_len times of one (b, d) row in
@@ -167,7 +166,8 @@ struct SegmentDelta {
 // (x halos from lower lanes by shuffle) and, once the next segment's delta is known, dx (delta
 // halos from higher lanes or the next segment). dw/db stay in registers until the chunk ends, then
 // one fixed shuffle tree sums them into partials[b, chunk, d, 0..K]. A chunk that ends before the
-// row does computes the first P deltas after it again (they belong to the next chunk).
+// row does computes the first P deltas after it again (they belong to the next chunk). With
+// seq_idx, the uniform segments run the unmasked arithmetic; the others load their seq_idx entries.
 template <typename T, int K, bool kMasked>
 __global__ void __launch_bounds__(kThreads)
     backward_channel_first_kernel(ConvParams p, float* partials, int64_t chunk_len) {
@@ -190,7 +190,8 @@ __global__ void __launch_bounds__(kThreads)
     float w[K][1], bias[1];
     load_weights(conv, item.b, item.d, w, bias);
     const int32_t* segment_row = kMasked ? p.seq_idx + item.b * p.length : nullptr;
-    ChannelFirstCarry<K, kMasked> carry(conv, item);
+    ChannelFirstCarry<K> carry;
+    carry.load(conv, item.b, item.c0, item.d);
     float dw[K + 1] = {};  // dw[K] is db
 
     // The lane's x and dy packs of the next kBackwardAhead segments that segment_delta will take.
@@ -201,11 +202,23 @@ __global__ void __launch_bounds__(kThreads)
       dy_pack = load_readonly_or_zero<T, V>(dy_row + t0, t0 < loaded_end);
     };
     for (int a = 0; a < kBackwardAhead; ++a) fetch(item.c0 + a * kSegment, x_ahead[a], dy_ahead[a]);
+    // Bit 0 of uniform.before: whether the next segment that segment_delta takes is uniform for
+    // its deltas; of uniform.after, whether the next segment that segment_dx takes is for its dx.
+    // They take the segments below loaded_end and c1: the launcher makes that at most
+    // kUniformSegments (the bits past those are 0, the segments masked).
+    UniformSegments uniform{0, 0};
+    if (kMasked) {
+      const int count = static_cast<int>(
+          std::min<int64_t>(kUniformSegments, (loaded_end - item.c0 + kSegment - 1) / kSegment));
+      uniform = uniform_segments<V, P>(segment_row, item.c0, count, p.length, lane);
+    }
 
-    // Called for segments c0, c0 + kSegment, ... in order; interior (std::true_type) when every
-    // time of the segment exists and is the item's own.
+    // Called for segments c0, c0 + kSegment, ... in order, every one below loaded_end; interior
+    // (std::true_type) when every time of the segment exists and is the item's own.
     const auto segment_delta = [&](int64_t s, SegmentDelta<V>& out, auto interior) {
       constexpr bool kInterior = decltype(interior)::value;
+      const bool masked = kMasked && !(uniform.before & 1u);
+      uniform.before >>= 1;
       const int64_t t0 = s + lane * V;
       const bool exists = kInterior || t0 < loaded_end;
       float own[V], dy[V];
@@ -217,37 +230,49 @@ __global__ void __launch_bounds__(kThreads)
       }
       fetch(s + kBackwardAhead * kSegment, x_ahead[kBackwardAhead - 1], dy_ahead[kBackwardAhead - 1]);
       float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}
-      int32_t segments[P + V];
-      carry.advance(own, segment_row, t0, exists, lane, xs, segments);
+      carry.advance(own, lane, xs);
       const bool accumulate = kInterior || t0 < item.c1;
-      for (int v = 0; v < V; ++v) {
-        float z = bias[0];
-        for (int k = 0; k < K; ++k) {
-          const float tap = fmaf(w[k][0], xs[v + k], z);
-          z = (!kMasked || same_segment(segments[P + v], segments[v + k])) ? tap : z;
-        }
-        const bool output = exists && !(kMasked && segments[P + v] < 0);
-        out.delta[v] = output ? dy[v] * activation_grad(z, p.silu) : 0.0f;
-        out.segment[v] = segments[P + v];
-        if (accumulate) {
-          dw[K] += out.delta[v];
+      // select: std::true_type for seq_idx's masks, segments[j] the entry of x_{t0-P+j}.
+      const auto deltas = [&](auto select, const int32_t* segments) {
+        constexpr bool kSelect = decltype(select)::value;
+        for (int v = 0; v < V; ++v) {
+          float z = bias[0];
           for (int k = 0; k < K; ++k) {
-            const float term = fmaf(out.delta[v], xs[v + k], dw[k]);
-            dw[k] = (!kMasked || same_segment(segments[P + v], segments[v + k])) ? term : dw[k];
+            const float tap = fmaf(w[k][0], xs[v + k], z);
+            z = (!kSelect || same_segment(segments[P + v], segments[v + k])) ? tap : z;
+          }
+          const bool output = exists && !(kSelect && segments[P + v] < 0);
+          out.delta[v] = output ? dy[v] * activation_grad(z, p.silu) : 0.0f;
+          if (accumulate) {
+            dw[K] += out.delta[v];
+            for (int k = 0; k < K; ++k) {
+              const float term = fmaf(out.delta[v], xs[v + k], dw[k]);
+              dw[k] = (!kSelect || same_segment(segments[P + v], segments[v + k])) ? term : dw[k];
+            }
           }
         }
+      };
+      if (!masked) {
+        deltas(std::false_type{}, nullptr);
+      } else {
+        int32_t segments[P + V];
+        load_segment_window<V, P, 0>(segment_row, t0, p.length, segments);
+        deltas(std::true_type{}, segments);
       }
     };
 
     SegmentDelta<V> current, next;
     segment_delta(item.c0, current, std::false_type{});
     if (item.c0 == 0 && p.dinitial_state != nullptr) {
-      // dS = dx on [-P, 0): taps of outputs 0 .. P-1, whose deltas lanes 0 and 1 hold.
+      // dS = dx on [-P, 0): taps of outputs 0 .. P-1, which lanes 0 and 1 hold: their deltas, and
+      // their seq_idx entries (0 without seq_idx), -1 where they do not exist.
       float first[P];
       int32_t first_segment[P];
       for (int t = 0; t < P; ++t) {
+        const int64_t own = lane * V + t % V;  // this lane's time in t's place
+        const int32_t segment = own < p.length ? (kMasked ? conv.segment(item.b, own) : 0) : -1;
         first[t] = __shfl_sync(kFullWarp, current.delta[t % V], t / V);
-        first_segment[t] = __shfl_sync(kFullWarp, current.segment[t % V], t / V);
+        first_segment[t] = __shfl_sync(kFullWarp, segment, t / V);
       }
       if (lane == 0) {
         const int32_t segment_u = kMasked ? conv.segment(item.b, 0) : 0;
@@ -272,35 +297,41 @@ __global__ void __launch_bounds__(kThreads)
       if (kInterior || s + kSegment < loaded_end) {
         segment_delta(s + kSegment, next, interior);
       } else {
-        for (int v = 0; v < V; ++v) {
-          next.delta[v] = 0.0f;
-          next.segment[v] = -1;
-        }
+        for (int v = 0; v < V; ++v) next.delta[v] = 0.0f;
       }
+      const bool masked = kMasked && !(uniform.after & 1u);
+      uniform.after >>= 1;
       const int64_t t0 = s + lane * V;
       float after[P];
-      int32_t after_segment[P];  // without seq_idx: 0 where the time exists, else -1
       halo_after<P, V>(current.delta, next.delta, lane, after);
-      if (kMasked) {
-        halo_after<P, V>(current.segment, next.segment, lane, after_segment);
-      } else {
-        for (int m = 0; m < P; ++m) after_segment[m] = kInterior || t0 + V + m < p.length ? 0 : -1;
-      }
       float g[V];
-      for (int j = 0; j < V; ++j) {  // dx_{t0+j}: tap k of output t0 + j + P - k
-        float acc = 0.0f;
-        for (int k = 0; k < K; ++k) {
-          const int at = j + P - k;
-          if (at < V) {
-            const float tap = fmaf(w[k][0], current.delta[at], acc);
-            acc = (!kMasked || same_segment(current.segment[at], current.segment[j])) ? tap : acc;
-          } else {
-            const int32_t segment_t = after_segment[at - V];
-            const bool used = kMasked ? same_segment(segment_t, current.segment[j]) : segment_t >= 0;
-            acc = used ? fmaf(w[k][0], after[at - V], acc) : acc;
+      // select: std::true_type for seq_idx's masks, segments[j] the entry of x_{t0+j}. Without
+      // them the taps of outputs past the row are skipped, as the entries (-1) skip them.
+      const auto input_grads = [&](auto select, const int32_t* segments) {
+        constexpr bool kSelect = decltype(select)::value;
+        bool exists[P];  // whether time t0 + V + m exists
+        for (int m = 0; m < P; ++m) exists[m] = kInterior || t0 + V + m < p.length;
+        for (int j = 0; j < V; ++j) {  // dx_{t0+j}: tap k of output t0 + j + P - k
+          float acc = 0.0f;
+          for (int k = 0; k < K; ++k) {
+            const int at = j + P - k;
+            if (at < V) {
+              const float tap = fmaf(w[k][0], current.delta[at], acc);
+              acc = (!kSelect || same_segment(segments[at], segments[j])) ? tap : acc;
+            } else {
+              const bool used = kSelect ? same_segment(segments[at], segments[j]) : exists[at - V];
+              acc = used ? fmaf(w[k][0], after[at - V], acc) : acc;
+            }
           }
+          g[j] = acc;
         }
-        g[j] = acc;
+      };
+      if (!masked) {
+        input_grads(std::false_type{}, nullptr);
+      } else {
+        int32_t segments[V + P];
+        load_segment_window<V, 0, P>(segment_row, t0, p.length, segments);
+        input_grads(std::true_type{}, segments);
       }
       if (!kInterior && t0 < item.c1 && t0 + V > p.length - P) {
         for (int j = 0; j < V; ++j) g[j] += conv.final_state_grad(item.b, t0 + j, item.d);

@@ -264,8 +264,9 @@ void launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
     const int64_t blocks = std::min(kMaxGridBlocks, (threads + kForwardThreads - 1) / kForwardThreads);
     forward_channel_last_kernel<T, K, kMasked><<<blocks, kForwardThreads, 0, stream>>>(p, time_chunk);
   } else {
-    const int64_t chunk_len = channel_first_chunk(p.batch * p.channels, p.length,
-                                                  kLanes * kPack<T>, kForwardRowItems);
+    const int64_t chunk_len =
+        channel_first_chunk(p.batch * p.channels, p.length, kLanes * kPack<T>, kForwardRowItems,
+                            forward_item_segments<kMasked>());
     const int64_t items = p.batch * p.channels * ((p.length + chunk_len - 1) / chunk_len);
     forward_channel_first_kernel<T, K, kMasked>
         <<<grid_for_warps(items), kThreads, 0, stream>>>(p, chunk_len);
@@ -288,8 +289,9 @@ int64_t launch_vector_backward(cudaStream_t stream, const ConvParams& p, float* 
     kernel<<<blocks, kBackwardThreads, 0, stream>>>(p, partials, tile_len, tiles);
     return tiles;
   }
-  const int64_t chunk_len = channel_first_chunk(p.batch * p.channels, p.length,
-                                                kLanes * kPack<T>, kBackwardRowItems);
+  const int64_t chunk_len =
+      channel_first_chunk(p.batch * p.channels, p.length, kLanes * kPack<T>, kBackwardRowItems,
+                          backward_item_segments<kMasked>());
   const int64_t chunks = (p.length + chunk_len - 1) / chunk_len;
   backward_channel_first_kernel<T, K, kMasked>
       <<<grid_for_warps(p.batch * p.channels * chunks), kThreads, 0, stream>>>(p, partials, chunk_len);

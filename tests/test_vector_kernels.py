@@ -69,3 +69,76 @@ def test_large(dev, layout, shape, masked):
     seq = seq_idx_for(shape["batch"], shape["length"]) if masked else None
     args, seq_idx = inputs(rng, jnp.float32, width=4, layout=layout, seq_idx=seq, **shape)
     compare(dev, rng, args, seq_idx, jnp.float32, activation="silu", layout=layout, final="random")
+
+
+# ---- channel-first with seq_idx: segments inside one sequence take the unmasked arithmetic ----
+
+def segment_len(dtype) -> int:
+    """Times per segment of the channel-first kernels: 32 lanes of one 16-byte pack each."""
+    return 32 * 16 // jnp.dtype(dtype).itemsize
+
+
+def cf_seq_idx(length: int, segment: int, width: int) -> np.ndarray:
+    """Rows of seq_idx around the channel-first segments: one id everywhere (every segment
+    uniform); boundaries inside a segment, at a segment start, within the first K-1 times after
+    one and just before one; the same with a padding run and trailing padding; padding at the
+    start and an id that comes back (0 1 0); a boundary at every segment start; all padding."""
+    t = np.arange(length)
+    P = width - 1
+    edges = [segment + 37, 2 * segment, 3 * segment + 1, 3 * segment + max(P - 1, 1),
+             4 * segment - 1]
+    cut = np.searchsorted(np.asarray(edges), t, side="right").astype(np.int32)
+    padded = cut.copy()
+    padded[(t >= 5 * segment - 3) & (t < 5 * segment + 40)] = -1
+    padded[length - segment // 2:] = -1
+    back = np.full(length, 7, np.int32)
+    back[:P + 2] = -1
+    back[(t >= 2 * segment + 2) & (t < 2 * segment + 5)] = 3
+    every = (t // segment).astype(np.int32)
+    return np.stack([np.zeros(length, np.int32), cut, padded, back, every,
+                     np.full(length, -1, np.int32)])
+
+
+def test_cf_seq_idx_rows():
+    rows = cf_seq_idx(6 * 64 + 16, 64, 4)
+    assert (rows[0] == 0).all() and (rows[5] == -1).all()
+    np.testing.assert_array_equal(np.flatnonzero(np.diff(rows[1])) + 1, [101, 128, 193, 194, 255])
+    assert (rows[2][317:360] == -1).all() and rows[2][316] == 5 and (rows[2][-32:] == -1).all()
+    assert list(rows[3][:7]) == [-1] * 5 + [7, 7]
+    assert list(rows[3][129:136]) == [7, 3, 3, 3, 7, 7, 7]
+    np.testing.assert_array_equal(rows[4][::64], np.arange(7))
+
+
+@pytest.mark.parametrize("state", [False, True], ids=["no_state", "state"])
+@pytest.mark.parametrize("width", [2, 4, 8])
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dev", DEVICES)
+def test_channel_first_seq_idx(dev, dtype, width, state):
+    """Few rows: on the GPU every segment is an item of its own (the P times before it and, in the
+    backward, the segment after it come from the neighbouring items' times)."""
+    rng = np.random.default_rng(width)
+    segment = segment_len(dtype)
+    length = 6 * segment + 2 * 16 // jnp.dtype(dtype).itemsize  # a last segment of two packs
+    seq = cf_seq_idx(length, segment, width)
+    args, seq_idx = inputs(rng, dtype, batch=len(seq), length=length, channels=3, width=width,
+                           layout="BDL", state=state, seq_idx=seq)
+    grads, _ = compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL",
+                       final="random")
+    np.testing.assert_array_equal(grads["x"][5], 0)  # the all-padding row
+
+
+# Enough rows that the GPU's items hold several segments: bf16, 16384 rows of 8 segments (whole
+# rows in the backward, halves in the forward); float32, 16 segments (halves in the forward).
+LARGE_CF = [
+    pytest.param(jnp.bfloat16, dict(batch=2, length=2048, channels=8192), id="bf16-8-segments"),
+    pytest.param(jnp.float32, dict(batch=2, length=2048, channels=8192), id="f32-16-segments"),
+]
+
+
+@pytest.mark.parametrize("dtype,shape", LARGE_CF)
+@pytest.mark.parametrize("dev", GPU)
+def test_channel_first_seq_idx_large(dev, dtype, shape):
+    rng = np.random.default_rng(6)
+    seq = cf_seq_idx(shape["length"], segment_len(dtype), 4)[[2, 3]]
+    args, seq_idx = inputs(rng, dtype, width=4, layout="BDL", seq_idx=seq, **shape)
+    compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL", final="random")
