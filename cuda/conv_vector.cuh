@@ -122,15 +122,16 @@ struct ChannelFirstItem {
 // (they shuffle), with the same s.
 
 // out[j] = the value at time s + l V - P + j: from lower lanes, or for the first lanes from carry,
-// which holds the P values before the segment.
+// which holds the P values before the segment. With width < 32, the same within each group of
+// width lanes (lane: the lane's index in its group).
 template <int P, int V, typename U>
 __device__ __forceinline__ void halo_before(const U (&own)[V], const U (&carry)[P], int lane,
-                                            U (&out)[P]) {
+                                            U (&out)[P], int width = kLanes) {
 #pragma unroll
   for (int j = 0; j < P; ++j) {
     const int back = P - j;  // times before the lane's first
     const int lanes_back = (back + V - 1) / V;
-    U value = __shfl_up_sync(kFullWarp, own[lanes_back * V - back], lanes_back);
+    U value = __shfl_up_sync(kFullWarp, own[lanes_back * V - back], lanes_back, width);
 #pragma unroll
     for (int l = 0; l < (P + V - 1) / V; ++l) {
       // Only lanes l < lanes_back read the carry, at j + l V < P; the min keeps the (dead)
@@ -164,6 +165,17 @@ struct ChannelFirstCarry {
   __device__ __forceinline__ void load(const Conv<T, float, K>& conv, int64_t b, int64_t t,
                                        int64_t d) {
     for (int j = 0; j < P; ++j) x[j] = conv.input(b, t - P + j, d);
+  }
+
+  // The same from the row's own pointers (x_row: its L inputs; state_row: its P initial-state
+  // values, or nullptr for zeros).
+  template <typename T>
+  __device__ __forceinline__ void load(const T* x_row, const T* state_row, int64_t t) {
+    for (int j = 0; j < P; ++j) {
+      const int64_t u = t - P + j;
+      x[j] = u >= 0 ? static_cast<float>(x_row[u])
+                    : (state_row == nullptr ? 0.0f : static_cast<float>(state_row[u + P]));
+    }
   }
 
   // For the segment of which own is the lane's pack: xs[j] = x_{t0-P+j}, t0 the lane's first time,
@@ -287,6 +299,61 @@ __device__ __forceinline__ void halo_after(const U (&own)[V], const U (&next)[V]
     const U from_next = __shfl_sync(kFullWarp, next[m % V], source);
     out[m] = lane + ahead < kLanes ? from_own : from_next;
   }
+}
+
+// ---- channel-first short rows: several rows per warp ----
+//
+// A row of at most 32 packs takes a group of lanes (a power of two, at least its packs), lane g of
+// the group owning times [g V, (g + 1) V); a warp takes 32 / group consecutive rows at a time, so
+// that its lanes' 16-byte accesses are one contiguous block, and the rows of its next items are in
+// flight while it computes these. Halos are shuffles within the group (width group): a row has no
+// neighbour segments. With one row per warp, rows of 16 packs left half the lanes idle, and a
+// warp's loads were only its one row's: 256 bytes in flight per warp where the bytes from DRAM
+// need about 40 KB per SM.
+
+
+// Lanes per row for the short-row kernels: the packs of a row rounded up to a power of two; 0 for
+// rows of more than 32 packs (the segment kernels').
+inline int short_row_group(int64_t length, int pack) {
+  const int64_t packs = length / pack;
+  if (packs > kLanes) return 0;
+  int group = 1;
+  while (group < packs) group *= 2;
+  return group;
+}
+
+// The rows a short-row lane takes in turn, row, row + stride, ..., with their (b, d), stepped
+// without a division per step.
+struct ShortRowCursor {
+  int64_t row, b, d;
+  int64_t stride, stride_b, stride_d;  // the step, as rows and as (b, d)
+
+  __device__ __forceinline__ ShortRowCursor(int64_t first, int64_t stride, int64_t channels)
+      : row(first), b(first / channels), d(first % channels), stride(stride),
+        stride_b(stride / channels), stride_d(stride % channels) {}
+
+  __device__ __forceinline__ void advance(int64_t channels) {
+    row += stride;
+    b += stride_b;
+    d += stride_d;
+    if (d >= channels) {
+      d -= channels;
+      ++b;
+    }
+  }
+};
+
+// The K weights and the bias of row (b, d), as load_weights, with batch_per_group = batch /
+// groups given: without vmapped weights (one group) a row needs no division.
+template <typename T, int K>
+__device__ __forceinline__ void load_row_weights(const Conv<T, float, K>& conv, int64_t b,
+                                                 int64_t d, int64_t batch_per_group,
+                                                 float (&w)[K][1], float (&bias)[1]) {
+  const ConvParams& p = conv.p;
+  const int64_t row = (p.groups == 1 ? 0 : b / batch_per_group) * p.channels + d;
+  const float* weights = static_cast<const float*>(p.weight) + row * K;
+  for (int k = 0; k < K; ++k) w[k][0] = weights[k];
+  bias[0] = p.bias == nullptr ? 0.0f : static_cast<const float*>(p.bias)[row];
 }
 
 // Times per warp item for channel-first kernels, a multiple of segment (32 V times): whole rows

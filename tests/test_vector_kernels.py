@@ -142,3 +142,66 @@ def test_channel_first_seq_idx_large(dev, dtype, shape):
     seq = cf_seq_idx(shape["length"], segment_len(dtype), 4)[[2, 3]]
     args, seq_idx = inputs(rng, dtype, width=4, layout="BDL", seq_idx=seq, **shape)
     compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL", final="random")
+
+
+# ---- channel-first short rows: 32 / group rows per warp, group lanes (a power of two) per row ----
+
+SHORT_LENGTHS = [8, 16, 64, 128, 136, 256]  # multiples of 8: every dtype's pack divides them
+
+
+def short_seq_idx(length: int) -> np.ndarray:
+    """Rows of seq_idx for short rows: one id; boundaries a third in, one after it and at the last
+    time, with the first id coming back; padding in the middle and at the end."""
+    t = np.arange(length)
+    third = max(length // 3, 1)
+    back = np.where(t < third, 0, np.where(t == third, 1, 0)).astype(np.int32)
+    back[length - 1] = 2
+    padded = np.zeros(length, np.int32)
+    padded[(t >= third) & (t < 2 * third)] = -1
+    padded[length - max(length // 8, 1):] = -1
+    return np.stack([np.full(length, 3, np.int32), back, padded])
+
+
+@pytest.mark.parametrize("state", [False, True], ids=["no_state", "state"])
+@pytest.mark.parametrize("masked", [False, True], ids=["no_seq_idx", "seq_idx"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("length", SHORT_LENGTHS)
+@pytest.mark.parametrize("dev", DEVICES)
+def test_short_rows(dev, length, dtype, masked, state):
+    """3 x 7 rows (an odd count: the last warp item is partly empty); bf16 L = 8 puts a row on each
+    lane, L = 136 and 256 (bf16) take whole warps."""
+    rng = np.random.default_rng(length)
+    seq = short_seq_idx(length) if masked else None
+    args, seq_idx = inputs(rng, dtype, batch=3, length=length, channels=7, width=4, layout="BDL",
+                           state=state, seq_idx=seq)
+    compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL", final="random")
+
+
+@pytest.mark.parametrize("width", [2, 5, 8])
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dev", DEVICES)
+def test_short_rows_widths(dev, dtype, width):
+    """Widths whose halo reaches two lanes back (float32, K = 8) or past a one-pack row."""
+    rng = np.random.default_rng(width)
+    for length in (8, 24):
+        args, seq_idx = inputs(rng, dtype, batch=5, length=length, channels=3, width=width,
+                               layout="BDL", seq_idx=short_seq_idx(length)[np.arange(5) % 3])
+        compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL", final="random")
+
+
+# More warp items than the GPU holds warps: each warp takes several items in turn.
+SHORT_MANY = [
+    pytest.param(jnp.bfloat16, dict(batch=65, length=8, channels=4096), id="bf16-L8"),
+    pytest.param(jnp.bfloat16, dict(batch=5, length=128, channels=4096), id="bf16-L128"),
+    pytest.param(jnp.float32, dict(batch=9, length=64, channels=4093), id="f32-L64-odd"),
+]
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["no_seq_idx", "seq_idx"])
+@pytest.mark.parametrize("dtype,shape", SHORT_MANY)
+@pytest.mark.parametrize("dev", GPU)
+def test_short_rows_many_items(dev, dtype, shape, masked):
+    rng = np.random.default_rng(8)
+    seq = short_seq_idx(shape["length"])[np.arange(shape["batch"]) % 3] if masked else None
+    args, seq_idx = inputs(rng, dtype, width=4, layout="BDL", seq_idx=seq, **shape)
+    compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL", final="random")
