@@ -208,17 +208,15 @@ template <int V, int B, int A>
 __device__ __forceinline__ void load_segment_window(const int32_t* row, int64_t t0, int64_t length,
                                                     int32_t (&out)[B + V + A]) {
   constexpr int kBefore = (B + 3) / 4 * 4, kAfter = (A + 3) / 4 * 4;
-  // The window's times that exist, as 32-bit counts: [t0 - behind, t0 + ahead).
-  const int behind = static_cast<int>(std::min<int64_t>(t0, kBefore));
-  const int ahead = static_cast<int>(std::min<int64_t>(length - t0, V + kAfter));
-  const int32_t first = B > 0 && behind < kBefore ? __ldg(row) : -1;  // seg(u), u < 0
+  // A lane past the row's end (t0 >= length) has none of its window's times in the row either.
+  const int32_t first = B > 0 && t0 < kBefore ? __ldg(row) : -1;  // seg(u), u < 0
   int32_t all[kBefore + V + kAfter];
   for (int i = 0; i < kBefore + V + kAfter; i += 4) {
-    const int at = i - kBefore;  // the four's first time, relative to t0
-    const bool in_row = at < 0 ? -at <= behind : at < ahead;
-    const Vec<int32_t, 4> four = in_row ? load_readonly<int32_t, 4>(row + t0 + at)
+    const int64_t u = t0 + i - kBefore;  // the four's first time
+    const bool in_row = u >= 0 && u < length;
+    const Vec<int32_t, 4> four = in_row ? load_readonly<int32_t, 4>(row + u)
                                         : Vec<int32_t, 4>{{-1, -1, -1, -1}};
-    for (int j = 0; j < 4; ++j) all[i + j] = in_row || at >= 0 ? four.v[j] : first;
+    for (int j = 0; j < 4; ++j) all[i + j] = in_row || u >= 0 ? four.v[j] : first;
   }
   for (int j = 0; j < B + V + A; ++j) out[j] = all[kBefore - B + j];
 }
