@@ -166,11 +166,10 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
 // Segments whose x and dy packs a channel-first lane has in flight.
 constexpr int kBackwardAhead = 2;
 
-// delta (and segment ids) of one channel-first segment, V times per lane.
+// delta of one channel-first segment, V times per lane.
 template <int V>
 struct SegmentDelta {
   float delta[V];
-  int32_t segment[V];  // seq_idx, or 0 without one; -1 where the time does not exist
 };
 
 // (B, D, L), L a multiple of the pack V. A warp streams chunk_len times of one (b, d) row in
@@ -178,7 +177,8 @@ struct SegmentDelta {
 // (x halos from lower lanes by shuffle) and, once the next segment's delta is known, dx (delta
 // halos from higher lanes or the next segment). dw/db stay in registers until the chunk ends, then
 // one fixed shuffle tree sums them into partials[b, chunk, d, 0..K]. A chunk that ends before the
-// row does computes the first P deltas after it again (they belong to the next chunk).
+// row does computes the first P deltas after it again (they belong to the next chunk). With
+// seq_idx, the uniform segments run the unmasked arithmetic; the others load their seq_idx entries.
 template <typename T, int K, bool kMasked>
 __global__ void __launch_bounds__(kThreads)
     backward_channel_first_kernel(ConvParams p, float* partials, int64_t chunk_len) {
@@ -201,7 +201,8 @@ __global__ void __launch_bounds__(kThreads)
     float w[K][1], bias[1];
     load_weights(conv, item.b, item.d, w, bias);
     const int32_t* segment_row = kMasked ? p.seq_idx + item.b * p.length : nullptr;
-    ChannelFirstCarry<K, kMasked> carry(conv, item);
+    ChannelFirstCarry<K> carry;
+    carry.load(conv, item.b, item.c0, item.d);
     float dw[K + 1] = {};  // dw[K] is db
 
     // The lane's x and dy packs of the next kBackwardAhead segments that segment_delta will take.
@@ -212,11 +213,23 @@ __global__ void __launch_bounds__(kThreads)
       dy_pack = load_readonly_or_zero<T, V>(dy_row + t0, t0 < loaded_end);
     };
     for (int a = 0; a < kBackwardAhead; ++a) fetch(item.c0 + a * kSegment, x_ahead[a], dy_ahead[a]);
+    // Bit 0 of uniform.before: whether the next segment that segment_delta takes is uniform for
+    // its deltas; of uniform.after, whether the next segment that segment_dx takes is for its dx.
+    // They take the segments below loaded_end and c1: the launcher makes that at most
+    // kUniformSegments (the bits past those are 0, the segments masked).
+    UniformSegments uniform{0, 0};
+    if (kMasked) {
+      const int count = static_cast<int>(
+          std::min<int64_t>(kUniformSegments, (loaded_end - item.c0 + kSegment - 1) / kSegment));
+      uniform = uniform_segments<V, P>(segment_row, item.c0, count, p.length, lane);
+    }
 
-    // Called for segments c0, c0 + kSegment, ... in order; interior (std::true_type) when every
-    // time of the segment exists and is the item's own.
+    // Called for segments c0, c0 + kSegment, ... in order, every one below loaded_end; interior
+    // (std::true_type) when every time of the segment exists and is the item's own.
     const auto segment_delta = [&](int64_t s, SegmentDelta<V>& out, auto interior) {
       constexpr bool kInterior = decltype(interior)::value;
+      const bool masked = kMasked && !(uniform.before & 1u);
+      uniform.before >>= 1;
       const int64_t t0 = s + lane * V;
       const bool exists = kInterior || t0 < loaded_end;
       float own[V], dy[V];
@@ -228,37 +241,49 @@ __global__ void __launch_bounds__(kThreads)
       }
       fetch(s + kBackwardAhead * kSegment, x_ahead[kBackwardAhead - 1], dy_ahead[kBackwardAhead - 1]);
       float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}
-      int32_t segments[P + V];
-      carry.advance(own, segment_row, t0, exists, lane, xs, segments);
+      carry.advance(own, lane, xs);
       const bool accumulate = kInterior || t0 < item.c1;
-      for (int v = 0; v < V; ++v) {
-        float z = bias[0];
-        for (int k = 0; k < K; ++k) {
-          const float tap = fmaf(w[k][0], xs[v + k], z);
-          z = (!kMasked || same_segment(segments[P + v], segments[v + k])) ? tap : z;
-        }
-        const bool output = exists && !(kMasked && segments[P + v] < 0);
-        out.delta[v] = output ? dy[v] * activation_grad(z, p.silu) : 0.0f;
-        out.segment[v] = segments[P + v];
-        if (accumulate) {
-          dw[K] += out.delta[v];
+      // select: std::true_type for seq_idx's masks, segments[j] the entry of x_{t0-P+j}.
+      const auto deltas = [&](auto select, const int32_t* segments) {
+        constexpr bool kSelect = decltype(select)::value;
+        for (int v = 0; v < V; ++v) {
+          float z = bias[0];
           for (int k = 0; k < K; ++k) {
-            const float term = fmaf(out.delta[v], xs[v + k], dw[k]);
-            dw[k] = (!kMasked || same_segment(segments[P + v], segments[v + k])) ? term : dw[k];
+            const float tap = fmaf(w[k][0], xs[v + k], z);
+            z = (!kSelect || same_segment(segments[P + v], segments[v + k])) ? tap : z;
+          }
+          const bool output = exists && !(kSelect && segments[P + v] < 0);
+          out.delta[v] = output ? dy[v] * activation_grad(z, p.silu) : 0.0f;
+          if (accumulate) {
+            dw[K] += out.delta[v];
+            for (int k = 0; k < K; ++k) {
+              const float term = fmaf(out.delta[v], xs[v + k], dw[k]);
+              dw[k] = (!kSelect || same_segment(segments[P + v], segments[v + k])) ? term : dw[k];
+            }
           }
         }
+      };
+      if (!masked) {
+        deltas(std::false_type{}, nullptr);
+      } else {
+        int32_t segments[P + V];
+        load_segment_window<V, P, 0>(segment_row, t0, p.length, segments);
+        deltas(std::true_type{}, segments);
       }
     };
 
     SegmentDelta<V> current, next;
     segment_delta(item.c0, current, std::false_type{});
     if (item.c0 == 0 && p.dinitial_state != nullptr) {
-      // dS = dx on [-P, 0): taps of outputs 0 .. P-1, whose deltas lanes 0 and 1 hold.
+      // dS = dx on [-P, 0): taps of outputs 0 .. P-1, which lanes 0 and 1 hold: their deltas, and
+      // their seq_idx entries (0 without seq_idx), -1 where they do not exist.
       float first[P];
       int32_t first_segment[P];
       for (int t = 0; t < P; ++t) {
+        const int64_t own = lane * V + t % V;  // this lane's time in t's place
+        const int32_t segment = own < p.length ? (kMasked ? conv.segment(item.b, own) : 0) : -1;
         first[t] = __shfl_sync(kFullWarp, current.delta[t % V], t / V);
-        first_segment[t] = __shfl_sync(kFullWarp, current.segment[t % V], t / V);
+        first_segment[t] = __shfl_sync(kFullWarp, segment, t / V);
       }
       if (lane == 0) {
         const int32_t segment_u = kMasked ? conv.segment(item.b, 0) : 0;
@@ -283,35 +308,41 @@ __global__ void __launch_bounds__(kThreads)
       if (kInterior || s + kSegment < loaded_end) {
         segment_delta(s + kSegment, next, interior);
       } else {
-        for (int v = 0; v < V; ++v) {
-          next.delta[v] = 0.0f;
-          next.segment[v] = -1;
-        }
+        for (int v = 0; v < V; ++v) next.delta[v] = 0.0f;
       }
+      const bool masked = kMasked && !(uniform.after & 1u);
+      uniform.after >>= 1;
       const int64_t t0 = s + lane * V;
       float after[P];
-      int32_t after_segment[P];  // without seq_idx: 0 where the time exists, else -1
       halo_after<P, V>(current.delta, next.delta, lane, after);
-      if (kMasked) {
-        halo_after<P, V>(current.segment, next.segment, lane, after_segment);
-      } else {
-        for (int m = 0; m < P; ++m) after_segment[m] = kInterior || t0 + V + m < p.length ? 0 : -1;
-      }
       float g[V];
-      for (int j = 0; j < V; ++j) {  // dx_{t0+j}: tap k of output t0 + j + P - k
-        float acc = 0.0f;
-        for (int k = 0; k < K; ++k) {
-          const int at = j + P - k;
-          if (at < V) {
-            const float tap = fmaf(w[k][0], current.delta[at], acc);
-            acc = (!kMasked || same_segment(current.segment[at], current.segment[j])) ? tap : acc;
-          } else {
-            const int32_t segment_t = after_segment[at - V];
-            const bool used = kMasked ? same_segment(segment_t, current.segment[j]) : segment_t >= 0;
-            acc = used ? fmaf(w[k][0], after[at - V], acc) : acc;
+      // select: std::true_type for seq_idx's masks, segments[j] the entry of x_{t0+j}. Without
+      // them the taps of outputs past the row are skipped, as the entries (-1) skip them.
+      const auto input_grads = [&](auto select, const int32_t* segments) {
+        constexpr bool kSelect = decltype(select)::value;
+        bool exists[P];  // whether time t0 + V + m exists
+        for (int m = 0; m < P; ++m) exists[m] = kInterior || t0 + V + m < p.length;
+        for (int j = 0; j < V; ++j) {  // dx_{t0+j}: tap k of output t0 + j + P - k
+          float acc = 0.0f;
+          for (int k = 0; k < K; ++k) {
+            const int at = j + P - k;
+            if (at < V) {
+              const float tap = fmaf(w[k][0], current.delta[at], acc);
+              acc = (!kSelect || same_segment(segments[at], segments[j])) ? tap : acc;
+            } else {
+              const bool used = kSelect ? same_segment(segments[at], segments[j]) : exists[at - V];
+              acc = used ? fmaf(w[k][0], after[at - V], acc) : acc;
+            }
           }
+          g[j] = acc;
         }
-        g[j] = acc;
+      };
+      if (!masked) {
+        input_grads(std::false_type{}, nullptr);
+      } else {
+        int32_t segments[V + P];
+        load_segment_window<V, 0, P>(segment_row, t0, p.length, segments);
+        input_grads(std::true_type{}, segments);
       }
       if (!kInterior && t0 < item.c1 && t0 + V > p.length - P) {
         for (int j = 0; j < V; ++j) g[j] += conv.final_state_grad(item.b, t0 + j, item.d);
@@ -331,6 +362,190 @@ __global__ void __launch_bounds__(kThreads)
       float* out = partials + ((item.b * item.chunks + item.chunk) * p.channels + item.d) * (K + 1);
       for (int k = 0; k <= K; ++k) out[k] = dw[k];
     }
+  }
+}
+
+// Warp items whose rows (x and dy) a short-row backward lane has in flight: 3 x 32 bytes. With
+// at most 128 registers (2 blocks, 16 warps per SM: ptxas took 137-160 from K = 6 up, a block per
+// SM) that is 48 KB per SM.
+constexpr int kShortBackwardAhead = 3;
+
+// (B, D, L), L a multiple of the pack V and at most 32 V: group lanes per row, 32 / group rows per
+// warp item, as in forward_short_rows_kernel. Per row it writes dx (and dS), and its dw/db sums,
+// over the group by a fixed shuffle tree, to partials[b, 0, d, 0..K] (one slice per row).
+template <typename T, int K>
+__global__ void __launch_bounds__(kThreads, 2)
+    backward_short_rows_kernel(ConvParams p, float* partials, int group) {
+  constexpr int V = kPack<T>;
+  constexpr int P = K - 1;
+  constexpr int kCarryLanes = (P + V - 1) / V;  // lanes of a group whose halo reaches before t = 0
+  const Conv<T, float, K> conv{p};
+  const int lane = threadIdx.x % kLanes;
+  const int g = lane % group;
+  const int rows_per_item = kLanes / group;
+  const int64_t rows = p.batch * p.channels;
+  const int64_t t0 = int64_t{g} * V;
+  const bool in_row = t0 < p.length;
+  const int64_t first_item = blockIdx.x * int64_t{blockDim.x / kLanes} + threadIdx.x / kLanes;
+  const int64_t items_step = int64_t{gridDim.x} * (blockDim.x / kLanes);
+  ShortRowCursor cursor(first_item * rows_per_item + lane / group, items_step * rows_per_item,
+                        p.channels);
+  const int64_t batch_per_group = p.batch / p.groups;
+  const T* x = static_cast<const T*>(p.x) + t0;  // + row * L: the lane's pack of a row
+  const T* dy = static_cast<const T*>(p.dy) + t0;
+  // The lane's packs of its next rows.
+  RawFor<T, V> x_ahead[kShortBackwardAhead], dy_ahead[kShortBackwardAhead];
+  const auto fetch = [&](int64_t row, RawFor<T, V>& x_pack, RawFor<T, V>& dy_pack) {
+    const bool live = in_row && row < rows;
+    x_pack = load_readonly_or_zero<T, V>(x + row * p.length, live);
+    dy_pack = load_readonly_or_zero<T, V>(dy + row * p.length, live);
+  };
+  for (int a = 0; a < kShortBackwardAhead; ++a) {
+    fetch(cursor.row + a * cursor.stride, x_ahead[a], dy_ahead[a]);
+  }
+  for (int64_t item = first_item; item * rows_per_item < rows; item += items_step) {
+    const bool row_live = cursor.row < rows, live = in_row && row_live;
+    const int64_t b = row_live ? cursor.b : 0, d = row_live ? cursor.d : 0;  // loads stay in range
+    float xs[P + V], dys[V];  // x_{t0-P} .. x_{t0+V-1}, dy_{t0} .. dy_{t0+V-1}
+    float(&own)[V] = reinterpret_cast<float(&)[V]>(xs[P]);
+    to_floats(from_raw<T, V>(x_ahead[0]), own);
+    to_floats(from_raw<T, V>(dy_ahead[0]), dys);
+    for (int a = 0; a + 1 < kShortBackwardAhead; ++a) {
+      x_ahead[a] = x_ahead[a + 1];
+      dy_ahead[a] = dy_ahead[a + 1];
+    }
+    fetch(cursor.row + kShortBackwardAhead * cursor.stride, x_ahead[kShortBackwardAhead - 1],
+          dy_ahead[kShortBackwardAhead - 1]);
+    float w[K][1], bias[1];
+    load_row_weights(conv, b, d, batch_per_group, w, bias);
+    ChannelFirstCarry<K> before;  // the initial state (or zeros), for the lanes that reach it
+    const T* state_row = p.initial_state == nullptr || g >= kCarryLanes
+                             ? nullptr
+                             : static_cast<const T*>(p.initial_state) + (b * p.channels + d) * P;
+    before.load(x, state_row, 0);
+    halo_before<P, V>(own, before.x, g, reinterpret_cast<float(&)[P]>(xs[0]), group);
+    // With seq_idx, whether some row of the item has more than one id or padding: its deltas and
+    // dx take seq_idx's masks, segments[j] the entry of time t0 - P + j (j < P + V + P).
+    bool masked = false;
+    int32_t segments[P + V + P];
+    int32_t(&own_segments)[V] = reinterpret_cast<int32_t(&)[V]>(segments[P]);
+    if (p.seq_idx != nullptr) {
+      load_segments(p.seq_idx + b * p.length + t0, live, own_segments);
+      int32_t differ = 0;
+      for (int v = 1; v < V; ++v) differ |= own_segments[v] ^ own_segments[0];
+      const int32_t earlier = __shfl_up_sync(kFullWarp, own_segments[V - 1], 1, group);
+      const bool uniform = !live || (own_segments[0] >= 0 && differ == 0 &&
+                                     (g == 0 || own_segments[0] == earlier));
+      masked = !__all_sync(kFullWarp, uniform);
+      if (masked) {
+        int32_t first[P];  // seg(u) for u < 0: the row's first entry
+        const int32_t row_first = __shfl_sync(kFullWarp, own_segments[0], 0, group);
+        for (int j = 0; j < P; ++j) first[j] = row_first;
+        halo_before<P, V>(own_segments, first, g, reinterpret_cast<int32_t(&)[P]>(segments[0]),
+                          group);
+        for (int m = 0; m < P; ++m) {  // the times after the lane's: -1 past the row
+          const int32_t later = __shfl_down_sync(kFullWarp, own_segments[m % V], 1 + m / V, group);
+          segments[P + V + m] = t0 + V + m < p.length ? later : -1;
+        }
+      }
+    }
+    // delta, and the row's dw/db terms (the lane's own times). A lane past the row's end (or of a
+    // row past the last) computes deltas too, unused: no dw term, dS or dx reads a time that does
+    // not exist. Without the test, the unmasked deltas need no branch per element.
+    float delta[V], dw[K + 1] = {};  // dw[K] is db
+    const auto deltas = [&](auto select) {
+      constexpr bool kSelect = decltype(select)::value;
+      for (int v = 0; v < V; ++v) {
+        float z = bias[0];
+        for (int k = 0; k < K; ++k) {
+          const float tap = fmaf(w[k][0], xs[v + k], z);
+          z = (!kSelect || same_segment(segments[P + v], segments[v + k])) ? tap : z;
+        }
+        const float grad = dys[v] * activation_grad(z, p.silu);
+        delta[v] = (kSelect && segments[P + v] < 0) ? 0.0f : grad;
+        if (live) {
+          dw[K] += delta[v];
+          for (int k = 0; k < K; ++k) {
+            const float term = fmaf(delta[v], xs[v + k], dw[k]);
+            dw[k] = (!kSelect || same_segment(segments[P + v], segments[v + k])) ? term : dw[k];
+          }
+        }
+      }
+    };
+    if (masked) {
+      deltas(std::true_type{});
+    } else {
+      deltas(std::false_type{});
+    }
+    if (p.dinitial_state != nullptr) {
+      // dS = dx on [-P, 0): taps of outputs 0 .. P-1, the group's first lanes' (t < L).
+      float first[P];
+      for (int t = 0; t < P; ++t) first[t] = __shfl_sync(kFullWarp, delta[t % V], t / V, group);
+      if (g == 0 && row_live) {
+        // Output t's seq_idx entry where it matters (0 otherwise), -1 where it does not exist.
+        int32_t first_segment[P];
+        for (int t = 0; t < P; ++t) {
+          first_segment[t] = t >= p.length ? -1 : masked ? conv.segment(b, t) : 0;
+        }
+        const int32_t segment_u = masked ? conv.segment(b, 0) : 0;
+        for (int i = 0; i < P; ++i) {
+          float acc = 0.0f;
+          for (int k = 0; k <= i; ++k) {
+            const int t = i - k;
+            const bool used =
+                masked ? same_segment(first_segment[t], segment_u) : first_segment[t] >= 0;
+            acc = used ? fmaf(w[k][0], first[t], acc) : acc;
+          }
+          acc += conv.final_state_grad(b, i - P, d);
+          conv.store_state_like(p.dinitial_state, b, i, d, acc);
+        }
+      }
+    }
+    // dx_{t0+j}: tap k of output t0 + j + P - k, from this lane's deltas or the next lanes'.
+    float after[P];
+    for (int m = 0; m < P; ++m) {
+      after[m] = __shfl_down_sync(kFullWarp, delta[m % V], 1 + m / V, group);
+    }
+    float gx[V];
+    const auto input_grads = [&](auto select) {
+      constexpr bool kSelect = decltype(select)::value;
+      for (int j = 0; j < V; ++j) {
+        float acc = 0.0f;
+        for (int k = 0; k < K; ++k) {
+          const int at = j + P - k;
+          const float delta_at = at < V ? delta[at] : after[at - V];
+          // Without seq_idx's masks, taps of outputs past the row are skipped.
+          const bool used = kSelect ? same_segment(segments[P + at], segments[P + j])
+                                    : at < V || t0 + at < p.length;
+          acc = used ? fmaf(w[k][0], delta_at, acc) : acc;
+        }
+        gx[j] = acc;
+      }
+    };
+    if (masked) {
+      input_grads(std::true_type{});
+    } else {
+      input_grads(std::false_type{});
+    }
+    if (live) {
+      if (p.dfinal_state != nullptr && t0 + V > p.length - P) {
+        for (int j = 0; j < V; ++j) gx[j] += conv.final_state_grad(b, t0 + j, d);
+      }
+      store_vec(static_cast<T*>(p.dx) + cursor.row * p.length + t0, from_floats<T, V>(gx));
+    }
+    // The same tree for every group: unrolled over the five levels a warp has, those below the
+    // group's width taken (a loop over the width ran 9 instructions per level and sum).
+#pragma unroll
+    for (int lanes = kLanes / 2; lanes > 0; lanes /= 2) {
+      if (lanes < group) {
+        for (int k = 0; k <= K; ++k) dw[k] += __shfl_xor_sync(kFullWarp, dw[k], lanes, group);
+      }
+    }
+    if (g == 0 && row_live) {
+      float* out = partials + cursor.row * (K + 1);  // (b, slice 0, d)
+      for (int k = 0; k <= K; ++k) out[k] = dw[k];
+    }
+    cursor.advance(p.channels);
   }
 }
 

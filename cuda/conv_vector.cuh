@@ -246,15 +246,16 @@ struct ChannelFirstItem {
 // (they shuffle), with the same s.
 
 // out[j] = the value at time s + l V - P + j: from lower lanes, or for the first lanes from carry,
-// which holds the P values before the segment.
+// which holds the P values before the segment. With width < 32, the same within each group of
+// width lanes (lane: the lane's index in its group).
 template <int P, int V, typename U>
 __device__ __forceinline__ void halo_before(const U (&own)[V], const U (&carry)[P], int lane,
-                                            U (&out)[P]) {
+                                            U (&out)[P], int width = kLanes) {
 #pragma unroll
   for (int j = 0; j < P; ++j) {
     const int back = P - j;  // times before the lane's first
     const int lanes_back = (back + V - 1) / V;
-    U value = __shfl_up_sync(kFullWarp, own[lanes_back * V - back], lanes_back);
+    U value = __shfl_up_sync(kFullWarp, own[lanes_back * V - back], lanes_back, width);
 #pragma unroll
     for (int l = 0; l < (P + V - 1) / V; ++l) {
       // Only lanes l < lanes_back read the carry, at j + l V < P; the min keeps the (dead)
@@ -275,47 +276,137 @@ __device__ __forceinline__ void segment_tail(const U (&own)[V], U (&carry)[P]) {
   }
 }
 
-// What a channel-first lane passes from one segment of its item to the next: the P inputs and
-// seq_idx entries before the segment, the halo of its first lanes.
-template <int K, bool kMasked>
+// What a channel-first lane passes from one segment of its item to the next: the P inputs before
+// the segment, the halo of its first lanes. (seq_idx entries do not travel with it: the segments
+// that need them load their own, see uniform_segments.)
+template <int K>
 struct ChannelFirstCarry {
   static constexpr int P = K - 1;
   float x[P];
-  int32_t segment[P];  // 0 without seq_idx
 
+  // The P inputs before time t of row (b, d): the carry into the segment that starts at t.
   template <typename T>
-  __device__ __forceinline__ ChannelFirstCarry(const Conv<T, float, K>& conv,
-                                               const ChannelFirstItem& item) {
+  __device__ __forceinline__ void load(const Conv<T, float, K>& conv, int64_t b, int64_t t,
+                                       int64_t d) {
+    for (int j = 0; j < P; ++j) x[j] = conv.input(b, t - P + j, d);
+  }
+
+  // The same from the row's own pointers (x_row: its L inputs; state_row: its P initial-state
+  // values, or nullptr for zeros).
+  template <typename T>
+  __device__ __forceinline__ void load(const T* x_row, const T* state_row, int64_t t) {
     for (int j = 0; j < P; ++j) {
-      x[j] = conv.input(item.b, item.c0 - P + j, item.d);
-      segment[j] = kMasked ? conv.segment(item.b, item.c0 - P + j) : 0;
+      const int64_t u = t - P + j;
+      x[j] = u >= 0 ? static_cast<float>(x_row[u])
+                    : (state_row == nullptr ? 0.0f : static_cast<float>(state_row[u + P]));
     }
   }
 
-  // For the segment of which own is the lane's pack, t0 the lane's first time (its times exist
-  // where live): xs[j] = x_{t0-P+j} and segments[j] its seq_idx entry, read from seq_idx_row
-  // (the item's row of seq_idx, nullptr without), and the carry for the next segment. Without
-  // seq_idx segments[j] is 0, or -1 where not live. Every lane must call it (it shuffles), for the
-  // item's segments in order.
+  // For the segment of which own is the lane's pack: xs[j] = x_{t0-P+j}, t0 the lane's first time,
+  // and the carry for the next segment. Every lane must call it (it shuffles), for the item's
+  // segments in order.
   template <int V>
-  __device__ __forceinline__ void advance(const float (&own)[V], const int32_t* seq_idx_row,
-                                          int64_t t0, bool live, int lane, float (&xs)[P + V],
-                                          int32_t (&segments)[P + V]) {
+  __device__ __forceinline__ void advance(const float (&own)[V], int lane, float (&xs)[P + V]) {
     halo_before<P, V>(own, x, lane, reinterpret_cast<float(&)[P]>(xs[0]));
     segment_tail<P, V>(own, x);
     for (int v = 0; v < V; ++v) xs[P + v] = own[v];
-    if (kMasked) {
-      int32_t own_segments[V];
-      load_segments(seq_idx_row + t0, live, own_segments);
-      halo_before<P, V>(own_segments, segment, lane,
-                        reinterpret_cast<int32_t(&)[P]>(segments[0]));
-      segment_tail<P, V>(own_segments, segment);
-      for (int v = 0; v < V; ++v) segments[P + v] = own_segments[v];
-    } else {
-      for (int j = 0; j < P + V; ++j) segments[j] = live ? 0 : -1;
-    }
   }
 };
+
+// ---- seq_idx in channel-first rows ----
+//
+// In packed sequences nearly every segment of 32 V times lies inside one sequence, where every
+// mask of seq_idx holds: the kernels run those segments with the unmasked arithmetic (no per-tap
+// selects, no padding tests, no seq_idx entries in registers or shuffles), and load the entries,
+// lane by lane, only for the segments that straddle a boundary or hold padding. Which segments
+// are which, uniform_segments finds for a whole item (the launchers cut rows into items of at
+// most kUniformSegments segments) before its first segment runs: its loads then wait behind the
+// item's x loads in flight rather than stall each segment.
+constexpr int kUniformSegments = 32;  // the bits of uniform_segments' masks
+
+// The seq_idx entries of times [t0 - B, t0 + V + A) of a row as the masks read them (DESIGN.md
+// section 2): seg(u) = the row's first entry for u < 0 (the initial state belongs to the row's
+// first segment), -1 (no time: no tap reads it, no output is kept) for u >= length. t0 and length
+// are multiples of V, and V of 4, so each aligned four lies wholly before 0, in the row or past it.
+template <int V, int B, int A>
+__device__ __forceinline__ void load_segment_window(const int32_t* row, int64_t t0, int64_t length,
+                                                    int32_t (&out)[B + V + A]) {
+  constexpr int kBefore = (B + 3) / 4 * 4, kAfter = (A + 3) / 4 * 4;
+  // A lane past the row's end (t0 >= length) has none of its window's times in the row either.
+  const int32_t first = B > 0 && t0 < kBefore ? __ldg(row) : -1;  // seg(u), u < 0
+  int32_t all[kBefore + V + kAfter];
+  for (int i = 0; i < kBefore + V + kAfter; i += 4) {
+    const int64_t u = t0 + i - kBefore;  // the four's first time
+    const bool in_row = u >= 0 && u < length;
+    const Vec<int32_t, 4> four = in_row ? load_readonly<int32_t, 4>(row + u)
+                                        : Vec<int32_t, 4>{{-1, -1, -1, -1}};
+    for (int j = 0; j < 4; ++j) all[i + j] = in_row || u >= 0 ? four.v[j] : first;
+  }
+  for (int j = 0; j < B + V + A; ++j) out[j] = all[kBefore - B + j];
+}
+
+// Segments of 32 V times s_j = s + j 32 V of a row, j < count, that are uniform: every time u of
+// a window around s_j that is before the row's end has one and the same seq_idx entry >= 0 (u < 0:
+// the row's first entry, as in load_segment_window). Then every mask of the outputs that read
+// only the window's times holds (none is padding, every tap is used), and the unmasked arithmetic
+// gives their bits; times past the row are no output's and no tap's.
+struct UniformSegments {
+  uint32_t before;  // bit j: over [s_j - P, s_j + 32 V), the taps of segment j's outputs
+  uint32_t after;   // bit j: over [s_j, s_j + 32 V + P), the outputs whose taps are its times
+};
+
+// UniformSegments for count <= kUniformSegments segments from s (s_j < length for j < count). Per
+// segment, lane l checks its pack and that it continues the time before it (lane l - 1's last, for
+// lane 0 the previous segment's), and a ballot gathers the lanes; lane j keeps segment j's
+// ballot. The P times before (after) a segment are in the last (first) packs of its neighbour,
+// which must check out too: a boundary in those packs but outside the P times makes the segment
+// masked, not wrong. Every lane must call it, with the same arguments.
+template <int V, int P>
+__device__ UniformSegments uniform_segments(const int32_t* row, int64_t s, int count,
+                                            int64_t length, int lane) {
+  constexpr int kSegment = kLanes * V;
+  constexpr int kEdge = (P + 3) / 4 * 4;        // entries loaded before the first segment
+  constexpr int kEdgeLanes = (P + V - 1) / V;  // lanes whose packs hold the first or last P times
+  constexpr uint32_t kFirstLanes = (1u << kEdgeLanes) - 1;
+  constexpr uint32_t kLastLanes = ~0u << (kLanes - kEdgeLanes);
+  // The entry of time s - 1 if the P times before s share it, else -1 (no match); before the row,
+  // the row's first entry.
+  int32_t previous;
+  if (s > 0) {
+    int32_t before[kEdge];
+    load_segments(row + s - kEdge, true, before);
+    previous = before[kEdge - 1];
+    for (int m = kEdge - P; m < kEdge - 1; ++m) previous = before[m] == previous ? previous : -1;
+  } else {
+    previous = __ldg(row);
+  }
+  // Only the last segment may end past the row: its times before the row's end.
+  const int64_t last_in_row = length - (s + int64_t{count - 1} * kSegment);
+  const int32_t* pack = row + s + lane * V;
+  uint32_t packs = 0;  // lane j: the ballot of segment j's packs
+  for (int j = 0; j < count; ++j, pack += kSegment) {
+    const bool exists = j + 1 < count || lane * V < last_in_row;
+    int32_t own[V];  // a pack past the row's end loads the row's first instead: it is not checked
+    load_segments(exists ? pack : row, true, own);
+    int32_t differ = 0;  // a bit set where an entry differs from own[0]: three-input LOP3s
+    for (int v = 1; v < V; ++v) differ |= own[v] ^ own[0];
+    bool ok = own[0] >= 0 && differ == 0;
+    // Lane l gets lane l - 1's last entry; lane 0 gets lane 31's, the time before the next segment.
+    const int32_t rotated = __shfl_sync(kFullWarp, own[V - 1], (lane + kLanes - 1) % kLanes);
+    ok = ok && own[0] == (lane == 0 ? previous : rotated);
+    previous = rotated;
+    const uint32_t ballot = __ballot_sync(kFullWarp, ok || !exists);
+    packs = lane == j ? ballot : packs;
+  }
+  const uint32_t earlier = __shfl_up_sync(kFullWarp, packs, 1);
+  const uint32_t later = __shfl_down_sync(kFullWarp, packs, 1);
+  const bool whole = lane < count && packs == kFullWarp;
+  // Segment 0's first lane matched the P times before s already.
+  const bool before = lane == 0 || (earlier & kLastLanes) == kLastLanes;
+  const bool after = s + int64_t{lane + 1} * kSegment >= length ||
+                     (lane + 1 < count && (later & kFirstLanes) == kFirstLanes);
+  return {__ballot_sync(kFullWarp, whole && before), __ballot_sync(kFullWarp, whole && after)};
+}
 
 // out[m] = the value at time s + (l + 1) V + m: from higher lanes of this segment (own) or, past
 // lane 31, from the first lanes of the next one (next).
@@ -332,13 +423,84 @@ __device__ __forceinline__ void halo_after(const U (&own)[V], const U (&next)[V]
   }
 }
 
-// Segments (of 32 V times) per warp item for channel-first kernels: whole rows when there are
-// enough rows to fill the GPU, else rows cut into about target_items / rows pieces.
+// ---- channel-first short rows: several rows per warp ----
+//
+// A row of at most 32 packs takes a group of lanes (a power of two, at least its packs), lane g of
+// the group owning times [g V, (g + 1) V); a warp takes 32 / group consecutive rows at a time, so
+// that its lanes' 16-byte accesses are one contiguous block, and the rows of its next items are in
+// flight while it computes these. Halos are shuffles within the group (width group): a row has no
+// neighbour segments. With one row per warp, rows of 16 packs left half the lanes idle, and a
+// warp's loads were only its one row's: 256 bytes in flight per warp where the bytes from DRAM
+// need about 40 KB per SM.
+
+
+// Lanes per row for the short-row kernels: the packs of a row rounded up to a power of two; 0 for
+// rows of more than 32 packs (the segment kernels').
+inline int short_row_group(int64_t length, int pack) {
+  const int64_t packs = length / pack;
+  if (packs > kLanes) return 0;
+  int group = 1;
+  while (group < packs) group *= 2;
+  return group;
+}
+
+// The rows a short-row lane takes in turn, row, row + stride, ..., with their (b, d), stepped
+// without a division per step.
+struct ShortRowCursor {
+  int64_t row, b, d;
+  int64_t stride, stride_b, stride_d;  // the step, as rows and as (b, d)
+
+  __device__ __forceinline__ ShortRowCursor(int64_t first, int64_t stride, int64_t channels)
+      : row(first), b(first / channels), d(first % channels), stride(stride),
+        stride_b(stride / channels), stride_d(stride % channels) {}
+
+  __device__ __forceinline__ void advance(int64_t channels) {
+    row += stride;
+    b += stride_b;
+    d += stride_d;
+    if (d >= channels) {
+      d -= channels;
+      ++b;
+    }
+  }
+};
+
+// The K weights and the bias of row (b, d), as load_weights, with batch_per_group = batch /
+// groups given: without vmapped weights (one group) a row needs no division.
+template <typename T, int K>
+__device__ __forceinline__ void load_row_weights(const Conv<T, float, K>& conv, int64_t b,
+                                                 int64_t d, int64_t batch_per_group,
+                                                 float (&w)[K][1], float (&bias)[1]) {
+  const ConvParams& p = conv.p;
+  const int64_t row = (p.groups == 1 ? 0 : b / batch_per_group) * p.channels + d;
+  const float* weights = static_cast<const float*>(p.weight) + row * K;
+  for (int k = 0; k < K; ++k) w[k][0] = weights[k];
+  bias[0] = p.bias == nullptr ? 0.0f : static_cast<const float*>(p.bias)[row];
+}
+
+// Times per warp item for channel-first kernels, a multiple of segment (32 V times): whole rows
+// when there are enough rows to fill the GPU, else rows cut into about target_items / rows
+// pieces; in pieces of at most max_segments segments.
 inline int64_t channel_first_chunk(int64_t rows, int64_t length, int64_t segment,
-                                   int64_t target_items) {
+                                   int64_t target_items, int64_t max_segments) {
   const int64_t segments = (length + segment - 1) / segment;
-  const int64_t pieces = std::max<int64_t>(1, std::min(segments, target_items / std::max<int64_t>(rows, 1)));
+  const int64_t filling = std::min(segments, target_items / std::max<int64_t>(rows, 1));
+  const int64_t pieces =
+      std::max({int64_t{1}, filling, (segments + max_segments - 1) / max_segments});
   return ((segments + pieces - 1) / pieces) * segment;
+}
+
+// The most segments per channel-first item (channel_first_chunk's max_segments). With seq_idx,
+// uniform_segments' masks cover an item's segments: the forward's, and the backward's with the one
+// after them whose first deltas its dx needs.
+constexpr int64_t kUnlimitedSegments = int64_t{1} << 40;
+template <bool kMasked>
+constexpr int64_t forward_item_segments() {
+  return kMasked ? kUniformSegments : kUnlimitedSegments;
+}
+template <bool kMasked>
+constexpr int64_t backward_item_segments() {
+  return kMasked ? kUniformSegments - 1 : kUnlimitedSegments;
 }
 
 }  // namespace causal_conv

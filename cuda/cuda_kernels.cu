@@ -245,6 +245,19 @@ inline int64_t steps_per_thread(int64_t columns, int64_t length, int64_t residen
   return best_steps;
 }
 
+// Blocks for a channel-first short-row kernel (rows of at most 32 packs, group lanes each): a
+// warp per item of 32 / group rows, but no more warps than the device holds at once, so that each
+// takes its items in turn with the next ones' rows in flight.
+template <auto kKernel>
+int64_t short_row_blocks(const ConvParams& p, int group) {
+  const int64_t rows_per_item = kLanes / group;
+  int64_t warps = (p.batch * p.channels + rows_per_item - 1) / rows_per_item;
+  if (const int64_t resident = resident_threads<kKernel>(kThreads); resident > 0) {
+    warps = std::min(warps, resident / kLanes);
+  }
+  return std::max<int64_t>(1, std::min(kMaxGridBlocks, (warps * kLanes + kThreads - 1) / kThreads));
+}
+
 // A thread's prologue as a cost in steps. The backward's tiles are at least kTileLen long: its
 // workspace holds tile_count(L) slices of dw/db sums per row.
 constexpr int64_t kPrologueSteps = 16;
@@ -263,9 +276,13 @@ void launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
     const int64_t threads = columns * ((p.length + time_chunk - 1) / time_chunk);
     const int64_t blocks = std::min(kMaxGridBlocks, (threads + kForwardThreads - 1) / kForwardThreads);
     forward_channel_last_kernel<T, K, kMasked><<<blocks, kForwardThreads, 0, stream>>>(p, time_chunk);
+  } else if (const int group = short_row_group(p.length, kPack<T>); group > 0) {
+    constexpr auto kernel = forward_short_rows_kernel<T, K>;
+    kernel<<<short_row_blocks<kernel>(p, group), kThreads, 0, stream>>>(p, group);
   } else {
-    const int64_t chunk_len = channel_first_chunk(p.batch * p.channels, p.length,
-                                                  kLanes * kPack<T>, kForwardRowItems);
+    const int64_t chunk_len =
+        channel_first_chunk(p.batch * p.channels, p.length, kLanes * kPack<T>, kForwardRowItems,
+                            forward_item_segments<kMasked>());
     const int64_t items = p.batch * p.channels * ((p.length + chunk_len - 1) / chunk_len);
     forward_channel_first_kernel<T, K, kMasked>
         <<<grid_for_warps(items), kThreads, 0, stream>>>(p, chunk_len);
@@ -288,8 +305,14 @@ int64_t launch_vector_backward(cudaStream_t stream, const ConvParams& p, float* 
     kernel<<<blocks, kBackwardThreads, 0, stream>>>(p, partials, tile_len, tiles);
     return tiles;
   }
-  const int64_t chunk_len = channel_first_chunk(p.batch * p.channels, p.length,
-                                                kLanes * kPack<T>, kBackwardRowItems);
+  if (const int group = short_row_group(p.length, kPack<T>); group > 0) {
+    constexpr auto kernel = backward_short_rows_kernel<T, K>;
+    kernel<<<short_row_blocks<kernel>(p, group), kThreads, 0, stream>>>(p, partials, group);
+    return 1;
+  }
+  const int64_t chunk_len =
+      channel_first_chunk(p.batch * p.channels, p.length, kLanes * kPack<T>, kBackwardRowItems,
+                          backward_item_segments<kMasked>());
   const int64_t chunks = (p.length + chunk_len - 1) / chunk_len;
   backward_channel_first_kernel<T, K, kMasked>
       <<<grid_for_warps(p.batch * p.channels * chunks), kThreads, 0, stream>>>(p, partials, chunk_len);

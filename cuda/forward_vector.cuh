@@ -85,14 +85,76 @@ __global__ void __launch_bounds__(kForwardThreads)
   }
 }
 
+// xs[j] = x_{t0-P+j}, j < P + V, for the lane whose pack starts at t0 (a multiple of V; live:
+// whether the pack exists), from the row's own pointers (x_row: its L inputs; state_row: its P
+// initial-state values, or nullptr for zeros): the lane's pack and the packs before it by aligned
+// loads, no shuffle.
+template <typename T, int V, int P>
+__device__ __forceinline__ void load_x_window(const T* x_row, const T* state_row, int64_t t0,
+                                              bool live, float (&xs)[P + V]) {
+  constexpr int kPacks = (P + V - 1) / V;  // the packs before t0 that hold the P times
+  float before[kPacks * V];
+  for (int i = 0; i < kPacks; ++i) {
+    const int64_t u = t0 - (kPacks - i) * V;
+    to_floats(from_raw<T, V>(load_readonly_or_zero<T, V>(x_row + u, u >= 0)),
+              reinterpret_cast<float(&)[V]>(before[i * V]));
+  }
+  for (int j = 0; j < P; ++j) xs[j] = before[kPacks * V - P + j];  // zeros before the row
+  if (t0 < P && state_row != nullptr) {  // the row's first lanes, with an initial state
+    for (int j = 0; j < P; ++j) {
+      if (t0 - P + j < 0) xs[j] = static_cast<float>(state_row[t0 + j]);
+    }
+  }
+  to_floats(from_raw<T, V>(load_readonly_or_zero<T, V>(x_row + t0, live)),
+            reinterpret_cast<float(&)[V]>(xs[P]));
+}
+
+// y of a channel-first lane's pack from xs = x_{t0-P} .. x_{t0+V-1}. With kSelect, seq_idx's
+// masks, segments[j] being the entry of xs[j]; without, every tap.
+template <bool kSelect, int K, int V>
+__device__ __forceinline__ void channel_first_outputs(const float (&w)[K][1], float bias,
+                                                      const float (&xs)[K - 1 + V],
+                                                      const int32_t* segments, bool silu,
+                                                      float (&out)[V]) {
+  constexpr int P = K - 1;
+  for (int v = 0; v < V; ++v) {
+    float z = bias;
+    for (int k = 0; k < K; ++k) {
+      const float tap = fmaf(w[k][0], xs[v + k], z);
+      z = (!kSelect || same_segment(segments[P + v], segments[v + k])) ? tap : z;
+    }
+    out[v] = (kSelect && segments[P + v] < 0) ? 0.0f : activate(z, silu);
+  }
+}
+
 // Segments whose packs a channel-first lane has in flight: with one, a warp waited for every load.
 constexpr int kForwardAhead = 3;
+
+// Blocks per SM the channel-first forward's registers must allow (0: no bound). ptxas gives the
+// unmasked kernel at most 64 registers up to K = 6 (4 blocks of 256 threads per SM); left free,
+// it gave the masked one 72-80 (3 blocks): the few values it holds beyond the unmasked kernel's
+// (the item's flags and row, for the masked segments after the loop) tip it over. Capped, it
+// spills only around uniform_segments and in the masked segments (a few words per item), and its
+// loop over the uniform segments keeps the unmasked kernel's occupancy. An explicit 1 for the
+// unmasked kernel would change its code: ptxas picks registers differently with any bound.
+template <int K, bool kMasked>
+constexpr int channel_first_forward_min_blocks() {
+  return kMasked && K <= 6 ? 4 : 0;
+}
 
 // (B, D, L), L a multiple of the pack V: a warp streams chunk_len times of one (b, d) row, lane l
 // owning V consecutive times of each 32 V-time segment; the K-1 inputs before a lane's pack come
 // from its lower neighbours by shuffle. The next kForwardAhead segments' packs are in flight.
+//
+// With seq_idx (items of at most kUniformSegments segments), the uniform segments run in that
+// loop with the unmasked arithmetic; the others only pass their inputs on to the carry there, and
+// run after it with seq_idx's masks, their packs and halos loaded again. Kept out of the loop, the
+// masked arithmetic (the entries, their compares and the selects) adds nothing to the registers
+// the loop holds: inside it (bf16, K = 4), the kernel took 80 registers against the unmasked
+// kernel's 63, and ptxas recomputed addresses in the loop to make room (162 instructions per
+// uniform segment against 138; now 150).
 template <typename T, int K, bool kMasked>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, channel_first_forward_min_blocks<K, kMasked>())
     forward_channel_first_kernel(ConvParams p, int64_t chunk_len) {
   constexpr int V = kPack<T>;
   constexpr int P = K - 1;
@@ -107,17 +169,33 @@ __global__ void __launch_bounds__(kThreads)
     const ChannelFirstItem item(i, chunks, chunk_len, p);
     const T* x_row = static_cast<const T*>(p.x) + item.row * p.length;
     T* y_row = static_cast<T*>(p.y) + item.row * p.length;
-    float w[K][1], bias[1];
-    load_weights(conv, item.b, item.d, w, bias);
     const int32_t* segment_row = kMasked ? p.seq_idx + item.b * p.length : nullptr;
-    ChannelFirstCarry<K, kMasked> carry(conv, item);
+    float w[K][1], bias[1];
+    ChannelFirstCarry<K> carry;
+    const auto load_weights_and_carry = [&] {
+      load_weights(conv, item.b, item.d, w, bias);
+      carry.load(conv, item.b, item.c0, item.d);
+    };
+    // With seq_idx, after uniform_segments: they would hold registers across it.
+    if (!kMasked) load_weights_and_carry();
     // The lane's packs of the next kAhead segments, loaded before they are needed.
     RawFor<T, V> ahead[kForwardAhead];
     for (int a = 0; a < kForwardAhead; ++a) {
       const int64_t t = item.c0 + a * kSegment + lane * V;
       ahead[a] = load_readonly_or_zero<T, V>(x_row + t, t < item.c1);
     }
+    // Bit j: whether the item's segment j is uniform (none past the first kUniformSegments).
+    uint32_t uniform = 0;
+    if (kMasked) {
+      const int count = static_cast<int>(
+          std::min<int64_t>(kUniformSegments, (item.c1 - item.c0 + kSegment - 1) / kSegment));
+      uniform = uniform_segments<V, P>(segment_row, item.c0, count, p.length, lane).before;
+      load_weights_and_carry();
+    }
+    uint32_t next_uniform = uniform;  // bit 0: the next segment's
     for (int64_t s = item.c0; s < item.c1; s += kSegment) {
+      const bool masked = kMasked && !(next_uniform & 1u);
+      next_uniform >>= 1;
       const int64_t t0 = s + lane * V;
       const bool live = t0 < item.c1;
       float own[V];
@@ -126,19 +204,108 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t t_ahead = t0 + kForwardAhead * kSegment;
       ahead[kForwardAhead - 1] = load_readonly_or_zero<T, V>(x_row + t_ahead, t_ahead < item.c1);
       float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}
-      int32_t segments[P + V];
-      carry.advance(own, segment_row, t0, live, lane, xs, segments);
-      float out[V];
-      for (int v = 0; v < V; ++v) {
-        float z = bias[0];
-        for (int k = 0; k < K; ++k) {
-          const float tap = fmaf(w[k][0], xs[v + k], z);
-          z = (!kMasked || same_segment(segments[P + v], segments[v + k])) ? tap : z;
-        }
-        out[v] = (kMasked && segments[P + v] < 0) ? 0.0f : activate(z, p.silu);
+      carry.advance(own, lane, xs);
+      if (!masked) {
+        float out[V];
+        channel_first_outputs<false>(w, bias[0], xs, nullptr, p.silu, out);
+        if (live) store_vec(y_row + t0, from_floats<T, V>(out));
       }
-      if (live) store_vec(y_row + t0, from_floats<T, V>(out));
     }
+    if (kMasked) {
+      // The segments the loop left: each lane loads its window of x and of entries.
+      const T* state_row = p.initial_state == nullptr
+                               ? nullptr
+                               : static_cast<const T*>(p.initial_state) + item.row * P;
+      for (int64_t s = item.c0; s < item.c1; s += kSegment, uniform >>= 1) {
+        if (uniform & 1u) continue;
+        const int64_t t0 = s + lane * V;
+        const bool live = t0 < item.c1;
+        float xs[P + V], out[V];
+        load_x_window<T, V, P>(x_row, state_row, t0, live, xs);
+        int32_t segments[P + V];
+        load_segment_window<V, P, 0>(segment_row, t0, p.length, segments);
+        channel_first_outputs<true>(w, bias[0], xs, segments, p.silu, out);
+        if (live) store_vec(y_row + t0, from_floats<T, V>(out));
+      }
+    }
+  }
+}
+
+// Warp items whose rows a short-row lane has in flight: 4 x 16 bytes, 2 KB per warp; 24 warps per
+// SM (the kernel takes 64-80 registers up to K = 7) then have 48 KB in flight.
+constexpr int kShortForwardAhead = 4;
+
+// (B, D, L), L a multiple of the pack V and at most 32 V: group lanes per row (short_row_group),
+// 32 / group rows per warp item, the rows of the next kShortForwardAhead items in flight (see
+// ShortRowCursor). With seq_idx, an item whose rows each have one id >= 0 throughout (the P times
+// before a row have its first id) runs the unmasked arithmetic, the others seq_idx's masks.
+template <typename T, int K>
+__global__ void __launch_bounds__(kThreads) forward_short_rows_kernel(ConvParams p, int group) {
+  constexpr int V = kPack<T>;
+  constexpr int P = K - 1;
+  constexpr int kCarryLanes = (P + V - 1) / V;  // lanes of a group whose halo reaches before t = 0
+  const Conv<T, float, K> conv{p};
+  const int lane = threadIdx.x % kLanes;
+  const int g = lane % group;
+  const int rows_per_item = kLanes / group;
+  const int64_t rows = p.batch * p.channels;
+  const int64_t t0 = int64_t{g} * V;
+  const bool in_row = t0 < p.length;
+  const int64_t first_item = blockIdx.x * int64_t{blockDim.x / kLanes} + threadIdx.x / kLanes;
+  const int64_t items_step = int64_t{gridDim.x} * (blockDim.x / kLanes);
+  ShortRowCursor cursor(first_item * rows_per_item + lane / group, items_step * rows_per_item,
+                        p.channels);
+  const int64_t batch_per_group = p.batch / p.groups;
+  const T* x = static_cast<const T*>(p.x) + t0;  // + row * L: the lane's pack of a row
+  const auto fetch = [&](int64_t row) {
+    return load_readonly_or_zero<T, V>(x + row * p.length, in_row && row < rows);
+  };
+  RawFor<T, V> ahead[kShortForwardAhead];  // the lane's packs of its next rows
+  for (int a = 0; a < kShortForwardAhead; ++a) ahead[a] = fetch(cursor.row + a * cursor.stride);
+  for (int64_t item = first_item; item * rows_per_item < rows; item += items_step) {
+    const bool row_live = cursor.row < rows, live = in_row && row_live;
+    const int64_t b = row_live ? cursor.b : 0, d = row_live ? cursor.d : 0;  // loads stay in range
+    float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}
+    float(&own)[V] = reinterpret_cast<float(&)[V]>(xs[P]);
+    to_floats(from_raw<T, V>(ahead[0]), own);
+    for (int a = 0; a + 1 < kShortForwardAhead; ++a) ahead[a] = ahead[a + 1];
+    ahead[kShortForwardAhead - 1] = fetch(cursor.row + kShortForwardAhead * cursor.stride);
+    float w[K][1], bias[1];
+    load_row_weights(conv, b, d, batch_per_group, w, bias);
+    ChannelFirstCarry<K> before;  // the initial state (or zeros), for the lanes that reach it
+    const T* state_row = p.initial_state == nullptr || g >= kCarryLanes
+                             ? nullptr
+                             : static_cast<const T*>(p.initial_state) + (b * p.channels + d) * P;
+    before.load(x, state_row, 0);
+    halo_before<P, V>(own, before.x, g, reinterpret_cast<float(&)[P]>(xs[0]), group);
+    float out[V];
+    bool masked = false;
+    int32_t segments[P + V];  // with seq_idx: the entry of xs[j]
+    if (p.seq_idx != nullptr) {
+      const int32_t* segment_row = p.seq_idx + b * p.length;
+      int32_t(&own_segments)[V] = reinterpret_cast<int32_t(&)[V]>(segments[P]);
+      load_segments(segment_row + t0, live, own_segments);
+      int32_t differ = 0;
+      for (int v = 1; v < V; ++v) differ |= own_segments[v] ^ own_segments[0];
+      const int32_t earlier = __shfl_up_sync(kFullWarp, own_segments[V - 1], 1, group);
+      const bool uniform = !live || (own_segments[0] >= 0 && differ == 0 &&
+                                     (g == 0 || own_segments[0] == earlier));
+      masked = !__all_sync(kFullWarp, uniform);
+      if (masked) {
+        int32_t first[P];  // seg(u) for u < 0: the row's first entry
+        const int32_t row_first = __shfl_sync(kFullWarp, own_segments[0], 0, group);
+        for (int j = 0; j < P; ++j) first[j] = row_first;
+        halo_before<P, V>(own_segments, first, g, reinterpret_cast<int32_t(&)[P]>(segments[0]),
+                          group);
+      }
+    }
+    if (masked) {
+      channel_first_outputs<true>(w, bias[0], xs, segments, p.silu, out);
+    } else {
+      channel_first_outputs<false>(w, bias[0], xs, nullptr, p.silu, out);
+    }
+    if (live) store_vec(static_cast<T*>(p.y) + cursor.row * p.length + t0, from_floats<T, V>(out));
+    cursor.advance(p.channels);
   }
 }
 

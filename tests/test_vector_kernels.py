@@ -143,3 +143,139 @@ def test_segment_boundaries_long_rows(dev, dtype):
     args, seq_idx = inputs(rng, dtype, batch=2, length=length, channels=512, width=4,
                            layout="BLD", seq_idx=np.stack(rows))
     compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BLD", final="random")
+
+
+# ---- channel-first with seq_idx: segments inside one sequence take the unmasked arithmetic ----
+
+def segment_len(dtype) -> int:
+    """Times per segment of the channel-first kernels: 32 lanes of one 16-byte pack each."""
+    return 32 * 16 // jnp.dtype(dtype).itemsize
+
+
+def cf_seq_idx(length: int, segment: int, width: int) -> np.ndarray:
+    """Rows of seq_idx around the channel-first segments: one id everywhere (every segment
+    uniform); boundaries inside a segment, at a segment start, within the first K-1 times after
+    one and just before one; the same with a padding run and trailing padding; padding at the
+    start and an id that comes back (0 1 0); a boundary at every segment start; all padding."""
+    t = np.arange(length)
+    P = width - 1
+    edges = [segment + 37, 2 * segment, 3 * segment + 1, 3 * segment + max(P - 1, 1),
+             4 * segment - 1]
+    cut = np.searchsorted(np.asarray(edges), t, side="right").astype(np.int32)
+    padded = cut.copy()
+    padded[(t >= 5 * segment - 3) & (t < 5 * segment + 40)] = -1
+    padded[length - segment // 2:] = -1
+    back = np.full(length, 7, np.int32)
+    back[:P + 2] = -1
+    back[(t >= 2 * segment + 2) & (t < 2 * segment + 5)] = 3
+    every = (t // segment).astype(np.int32)
+    return np.stack([np.zeros(length, np.int32), cut, padded, back, every,
+                     np.full(length, -1, np.int32)])
+
+
+def test_cf_seq_idx_rows():
+    rows = cf_seq_idx(6 * 64 + 16, 64, 4)
+    assert (rows[0] == 0).all() and (rows[5] == -1).all()
+    np.testing.assert_array_equal(np.flatnonzero(np.diff(rows[1])) + 1, [101, 128, 193, 194, 255])
+    assert (rows[2][317:360] == -1).all() and rows[2][316] == 5 and (rows[2][-32:] == -1).all()
+    assert list(rows[3][:7]) == [-1] * 5 + [7, 7]
+    assert list(rows[3][129:136]) == [7, 3, 3, 3, 7, 7, 7]
+    np.testing.assert_array_equal(rows[4][::64], np.arange(7))
+
+
+@pytest.mark.parametrize("state", [False, True], ids=["no_state", "state"])
+@pytest.mark.parametrize("width", [2, 4, 8])
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dev", DEVICES)
+def test_channel_first_seq_idx(dev, dtype, width, state):
+    """Few rows: on the GPU every segment is an item of its own (the P times before it and, in the
+    backward, the segment after it come from the neighbouring items' times)."""
+    rng = np.random.default_rng(width)
+    segment = segment_len(dtype)
+    length = 6 * segment + 2 * 16 // jnp.dtype(dtype).itemsize  # a last segment of two packs
+    seq = cf_seq_idx(length, segment, width)
+    args, seq_idx = inputs(rng, dtype, batch=len(seq), length=length, channels=3, width=width,
+                           layout="BDL", state=state, seq_idx=seq)
+    grads, _ = compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL",
+                       final="random")
+    np.testing.assert_array_equal(grads["x"][5], 0)  # the all-padding row
+
+
+# Enough rows that the GPU's items hold several segments: bf16, 16384 rows of 8 segments (whole
+# rows in the backward, halves in the forward); float32, 16 segments (halves in the forward).
+LARGE_CF = [
+    pytest.param(jnp.bfloat16, dict(batch=2, length=2048, channels=8192), id="bf16-8-segments"),
+    pytest.param(jnp.float32, dict(batch=2, length=2048, channels=8192), id="f32-16-segments"),
+]
+
+
+@pytest.mark.parametrize("dtype,shape", LARGE_CF)
+@pytest.mark.parametrize("dev", GPU)
+def test_channel_first_seq_idx_large(dev, dtype, shape):
+    rng = np.random.default_rng(6)
+    seq = cf_seq_idx(shape["length"], segment_len(dtype), 4)[[2, 3]]
+    args, seq_idx = inputs(rng, dtype, width=4, layout="BDL", seq_idx=seq, **shape)
+    compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL", final="random")
+
+
+# ---- channel-first short rows: 32 / group rows per warp, group lanes (a power of two) per row ----
+
+SHORT_LENGTHS = [8, 16, 64, 128, 136, 256]  # multiples of 8: every dtype's pack divides them
+
+
+def short_seq_idx(length: int) -> np.ndarray:
+    """Rows of seq_idx for short rows: one id; boundaries a third in, one after it and at the last
+    time, with the first id coming back; padding in the middle and at the end."""
+    t = np.arange(length)
+    third = max(length // 3, 1)
+    back = np.where(t < third, 0, np.where(t == third, 1, 0)).astype(np.int32)
+    back[length - 1] = 2
+    padded = np.zeros(length, np.int32)
+    padded[(t >= third) & (t < 2 * third)] = -1
+    padded[length - max(length // 8, 1):] = -1
+    return np.stack([np.full(length, 3, np.int32), back, padded])
+
+
+@pytest.mark.parametrize("state", [False, True], ids=["no_state", "state"])
+@pytest.mark.parametrize("masked", [False, True], ids=["no_seq_idx", "seq_idx"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("length", SHORT_LENGTHS)
+@pytest.mark.parametrize("dev", DEVICES)
+def test_short_rows(dev, length, dtype, masked, state):
+    """3 x 7 rows (an odd count: the last warp item is partly empty); bf16 L = 8 puts a row on each
+    lane, L = 136 and 256 (bf16) take whole warps."""
+    rng = np.random.default_rng(length)
+    seq = short_seq_idx(length) if masked else None
+    args, seq_idx = inputs(rng, dtype, batch=3, length=length, channels=7, width=4, layout="BDL",
+                           state=state, seq_idx=seq)
+    compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL", final="random")
+
+
+@pytest.mark.parametrize("width", [2, 5, 8])
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dev", DEVICES)
+def test_short_rows_widths(dev, dtype, width):
+    """Widths whose halo reaches two lanes back (float32, K = 8) or past a one-pack row."""
+    rng = np.random.default_rng(width)
+    for length in (8, 24):
+        args, seq_idx = inputs(rng, dtype, batch=5, length=length, channels=3, width=width,
+                               layout="BDL", seq_idx=short_seq_idx(length)[np.arange(5) % 3])
+        compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL", final="random")
+
+
+# More warp items than the GPU holds warps: each warp takes several items in turn.
+SHORT_MANY = [
+    pytest.param(jnp.bfloat16, dict(batch=65, length=8, channels=4096), id="bf16-L8"),
+    pytest.param(jnp.bfloat16, dict(batch=5, length=128, channels=4096), id="bf16-L128"),
+    pytest.param(jnp.float32, dict(batch=9, length=64, channels=4093), id="f32-L64-odd"),
+]
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["no_seq_idx", "seq_idx"])
+@pytest.mark.parametrize("dtype,shape", SHORT_MANY)
+@pytest.mark.parametrize("dev", GPU)
+def test_short_rows_many_items(dev, dtype, shape, masked):
+    rng = np.random.default_rng(8)
+    seq = short_seq_idx(shape["length"])[np.arange(shape["batch"]) % 3] if masked else None
+    args, seq_idx = inputs(rng, dtype, width=4, layout="BDL", seq_idx=seq, **shape)
+    compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL", final="random")
