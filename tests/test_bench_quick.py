@@ -41,3 +41,50 @@ def test_bench_quick(tmp_path):
         assert "no plot" in proc.stderr
     else:
         assert (out / "bench.png").stat().st_size > 0
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench"] = module  # dataclasses resolve the module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def target_rows(bench, prefill):
+    """{(case name, target, op): (method, value)} from bench.target_lines."""
+    base = bench.Case(8, 2048, 4096, 4)
+    lines = bench.target_lines(prefill, {}, base, "queue", quick=False)
+    rows = {}
+    for line in lines:
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        if len(cells) == 7 and cells[0] not in ("target", "---"):
+            rows[(cells[1], cells[0], cells[2])] = (cells[3], float(cells[4]))
+    return rows
+
+
+def test_targets_take_the_loop_where_the_queue_is_host_bound():
+    bench = load_bench()
+    T = bench.Timing
+    main, small, audited = (bench.Case(8, 2048, 4096, 4), bench.Case(8, 2048, 256, 4),
+                            bench.Case(1, 65536, 4096, 4))
+
+    def timings(ours, copy, audit=""):  # (queue, loop) per op for ours and the copy
+        res = {}
+        for op, scale in (("fwd", 1.0), ("bwd", 1.5), ("fwd+bwd", 2.5)):
+            res[("ours", op)] = T(ours[0] * scale, ours[1] * scale, audit)
+            res[("copy", op)] = T(copy[0] * scale, copy[1] * scale)
+        return res
+
+    prefill = {
+        main: timings((80.0, 78.0), (68.0, 67.0)),  # the copy queued within 15% of its loop
+        small: timings((57.0, 10.0), (33.0, 5.0)),  # the copy queued 6.6x its loop: host-bound
+        audited: timings((300.0, 290.0), (260.0, 100.0), audit="copies in the loop"),
+    }
+    rows = target_rows(bench, prefill)
+    assert rows[(main.name, "time / copy", "fwd")] == ("queue", round(80.0 / 68.0, 2))
+    assert rows[(main.name, "fwd+bwd us", "fwd+bwd")] == ("queue", 200.0)
+    assert rows[(small.name, "time / copy within 15%", "fwd")] == ("loop", 2.0)
+    assert rows[(small.name, "time / copy within 15%", "bwd")] == ("loop", 2.0)
+    # ours' loop failed the audit: the queue for the whole case, though its copy looks host-bound
+    assert rows[(audited.name, "time / copy within 15%", "fwd")] == ("queue", round(300 / 260, 2))
