@@ -465,12 +465,16 @@ def n_input_sets(bytes_per_call: int, l2_bytes: int, quick: bool) -> int:
     return int(min(16, max(3, math.ceil(3 * l2_bytes / max(bytes_per_call, 1)))))
 
 
-def make_inputs(case: Case, n_sets: int, seed: int = 0):
-    """n_sets tuples (x, w, b, s0, seq, dy, dF); w and b (and seq_idx) shared by all sets."""
+def make_inputs(case: Case, n_sets: int, seed: int = 0, param_dtype: Optional[str] = None):
+    """n_sets tuples (x, w, b, s0, seq, dy, dF); w and b (and seq_idx) shared by all sets.
+
+    w and b are in param_dtype, or in x's dtype when it is None.
+    """
     rng = np.random.default_rng(seed)
     dtype = jnp.dtype(case.dtype)
-    w = jnp.asarray(rng.uniform(-1, 1, (case.D, case.K)) / math.sqrt(case.K), dtype)
-    b = jnp.asarray(rng.uniform(-0.5, 0.5, (case.D,)), dtype)
+    params = jnp.dtype(param_dtype or case.dtype)
+    w = jnp.asarray(rng.uniform(-1, 1, (case.D, case.K)) / math.sqrt(case.K), params)
+    b = jnp.asarray(rng.uniform(-0.5, 0.5, (case.D,)), params)
     seq = None
     if case.features:
         # four segments per row at random boundaries
@@ -515,7 +519,7 @@ def bench_case(case: Case, args: argparse.Namespace, log):
     """Check and time every implementation and op of one prefill case; (results, notes)."""
     impls = [i for i in args.impls if not (i == "conv_general_dilated" and case.features)]
     n_sets = n_input_sets(2 * case.x_bytes, args.l2_mb << 20, args.quick)
-    sets = make_inputs(case, n_sets)
+    sets = make_inputs(case, n_sets, param_dtype=args.param_dtype)
     big = case.B * case.L * case.D // 2
     results, notes = {}, []
     if not args.no_check:
@@ -860,6 +864,9 @@ def parse_args(argv=None):
                    help="method behind the derived columns (decode always uses loop)")
     p.add_argument("--no-loop", action="store_true", help="skip the fori_loop method (prefill)")
     p.add_argument("--no-check", action="store_true", help="skip the accuracy check")
+    p.add_argument("--param-dtype", choices=("float32",), default=None,
+                   help="weight and bias dtype for the prefill cases (default: x's dtype); "
+                        "float32 as in mixed-precision training")
     p.add_argument("--l2-mb", type=int, default=50, help="L2 size used to size the input rotation")
     p.add_argument("--copy-min-tbps", type=float, default=3.9,
                    help="warn on a GPU when the copy of a large array is slower than this")
