@@ -35,12 +35,15 @@ CAUSAL_CONV_HD int64_t offset(const Strides& s, int64_t b, int64_t t, int64_t d)
 }
 
 // Everything a kernel needs, filled by the FFI handler. Optional tensors are null when absent.
-// weight is (groups, channels, width) and bias (groups, channels), both in the accumulation type;
-// batch row b uses group b / (batch / groups), which is how vmapped weights reach one launch.
+// weight is (groups, channels, width) and bias (groups, channels), both in the accumulation type,
+// or both in x's storage type when params_like_x (read through load_param); dweight and dbias are
+// written in the same type. Batch row b uses group b / (batch / groups), which is how vmapped
+// weights reach one launch.
 struct ConvParams {
   int64_t batch = 0, length = 0, channels = 0, width = 0, groups = 1;
   bool silu = false;
   bool channel_last = true;
+  bool params_like_x = false;
   Strides x_strides{}, state_strides{};  // x, y, dy, dx / initial, final, their gradients
   const void* x = nullptr;
   const void* weight = nullptr;
@@ -160,6 +163,40 @@ CAUSAL_CONV_HD T from_acc(A v) {
   }
 }
 
+// Weight and bias (and their gradients) are stored in the accumulation type A, or in x's storage
+// type T when like_x (a runtime flag: one kernel serves both). Values are A either way; a T
+// weight widens exactly, and a gradient accumulated in A is rounded once, when it is stored.
+template <typename T, typename A>
+CAUSAL_CONV_HD A load_param(const void* base, int64_t i, bool like_x) {
+  if constexpr (!std::is_same_v<T, A>) {
+    if (like_x) return to_acc<A>(static_cast<const T*>(base)[i]);
+  }
+  return static_cast<const A*>(base)[i];
+}
+
+// fn(like_x) with like_x a compile-time std::bool_constant: the branch on the flag is taken once,
+// around a run of load_param calls (a loop over the taps, the prologue that loads a thread's
+// weights), which then compile to straight loads of one type. The hint only orders the code;
+// with it ptxas allocates the vectorized kernels' registers closer to those of float weights only.
+template <typename T, typename A, typename Fn>
+CAUSAL_CONV_HD auto with_param_type(bool like_x, const Fn& fn) {
+  if constexpr (!std::is_same_v<T, A>) {
+    if (__builtin_expect(like_x, 1)) return fn(std::true_type{});
+  }
+  return fn(std::false_type{});
+}
+
+template <typename T, typename A>
+CAUSAL_CONV_HD void store_param(void* base, int64_t i, A v, bool like_x) {
+  if constexpr (!std::is_same_v<T, A>) {
+    if (like_x) {
+      static_cast<T*>(base)[i] = from_acc<T>(v);
+      return;
+    }
+  }
+  static_cast<A*>(base)[i] = v;
+}
+
 // DESIGN.md section 2: output time t (segment seg_t) reads input time u (segment seg_u) only
 // inside its own non-padding segment.
 CAUSAL_CONV_HD bool same_segment(int32_t seg_t, int32_t seg_u) { return seg_t >= 0 && seg_u == seg_t; }
@@ -174,11 +211,23 @@ struct Conv {
   CAUSAL_CONV_HD int64_t state_len() const { return width() - 1; }
 
   CAUSAL_CONV_HD int64_t group(int64_t b) const { return b / (p.batch / p.groups); }
-  CAUSAL_CONV_HD const A* weight_row(int64_t b, int64_t d) const {
-    return static_cast<const A*>(p.weight) + (group(b) * p.channels + d) * width();
+  // Row (b, d)'s index in bias, and times width() its first weight's in weight.
+  CAUSAL_CONV_HD int64_t param_row(int64_t b, int64_t d) const {
+    return group(b) * p.channels + d;
+  }
+  CAUSAL_CONV_HD A weight(int64_t b, int64_t d, int64_t k) const {
+    return load_param<T, A>(p.weight, param_row(b, d) * width() + k, p.params_like_x);
   }
   CAUSAL_CONV_HD A bias(int64_t b, int64_t d) const {
-    return p.bias ? static_cast<const A*>(p.bias)[group(b) * p.channels + d] : A(0);
+    return p.bias ? load_param<T, A>(p.bias, param_row(b, d), p.params_like_x) : A(0);
+  }
+  // fn(w), w(k) being weight k of row (b, d): the weights' type is picked once, outside fn's loop.
+  template <typename Fn>
+  CAUSAL_CONV_HD A with_weights(int64_t b, int64_t d, const Fn& fn) const {
+    const int64_t first = param_row(b, d) * width();
+    return with_param_type<T, A>(p.params_like_x, [&](auto like_x) {
+      return fn([&](int64_t k) { return load_param<T, A>(p.weight, first + k, like_x); });
+    });
   }
 
   // seg(u) of DESIGN.md section 2: the initial state belongs to the row's first segment.
@@ -202,14 +251,16 @@ struct Conv {
   }
 
   CAUSAL_CONV_HD A pre_activation(int64_t b, int64_t t, int64_t d) const {
-    const A* w = weight_row(b, d);
     const int64_t P = state_len();
-    A z = bias(b, d);
-    for (int64_t k = 0; k < width(); ++k) {
-      const int64_t u = t - P + k;
-      if (tap_used(b, t, u)) z += w[k] * input(b, u, d);
-    }
-    return z;
+    const A z0 = bias(b, d);
+    return with_weights(b, d, [&](const auto& w) {
+      A z = z0;
+      for (int64_t k = 0; k < width(); ++k) {
+        const int64_t u = t - P + k;
+        if (tap_used(b, t, u)) z += w(k) * input(b, u, d);
+      }
+      return z;
+    });
   }
 
   CAUSAL_CONV_HD A output(int64_t b, int64_t t, int64_t d) const {
@@ -243,13 +294,15 @@ struct Conv {
   // dx_u for u in [-P, L-1]; delta_at(t) returns delta_t for t in [max(u, 0), min(u + P, L - 1)].
   template <typename DeltaAt>
   CAUSAL_CONV_HD A input_grad(int64_t b, int64_t u, int64_t d, const DeltaAt& delta_at) const {
-    const A* w = weight_row(b, d);
     const int64_t P = state_len();
-    A acc = A(0);
-    for (int64_t k = 0; k < width(); ++k) {
-      const int64_t t = u + P - k;
-      if (t >= 0 && t < p.length && tap_used(b, t, u)) acc += w[k] * delta_at(t);
-    }
+    const A acc = with_weights(b, d, [&](const auto& w) {
+      A sum = A(0);
+      for (int64_t k = 0; k < width(); ++k) {
+        const int64_t t = u + P - k;
+        if (t >= 0 && t < p.length && tap_used(b, t, u)) sum += w(k) * delta_at(t);
+      }
+      return sum;
+    });
     return acc + final_state_grad(b, u, d);
   }
 

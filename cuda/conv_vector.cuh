@@ -30,15 +30,19 @@ constexpr int channels_per_thread() {
   return c;
 }
 
-// The K weights and the bias of channels d0 .. d0 + C - 1 for batch row b.
+// The K weights and the bias of channels d0 .. d0 + C - 1 for batch row b, as floats (stored in
+// float or in T: with_param_type picks which once, around all the loads).
 template <typename T, int K, int C>
 __device__ __forceinline__ void load_weights(const Conv<T, float, K>& conv, int64_t b, int64_t d0,
                                              float (&w)[K][C], float (&bias)[C]) {
-  for (int c = 0; c < C; ++c) {
-    const float* row = conv.weight_row(b, d0 + c);
-    for (int k = 0; k < K; ++k) w[k][c] = row[k];
-    bias[c] = conv.bias(b, d0 + c);
-  }
+  const ConvParams& p = conv.p;
+  with_param_type<T, float>(p.params_like_x, [&](auto like_x) {
+    for (int c = 0; c < C; ++c) {
+      const int64_t row = conv.param_row(b, d0 + c);
+      for (int k = 0; k < K; ++k) w[k][c] = load_param<T, float>(p.weight, row * K + k, like_x);
+      bias[c] = p.bias ? load_param<T, float>(p.bias, row, like_x) : 0.0f;
+    }
+  });
 }
 
 // C consecutive values of a channel-last row at time u as floats, for the halo rows before a
@@ -473,9 +477,10 @@ __device__ __forceinline__ void load_row_weights(const Conv<T, float, K>& conv, 
                                                  float (&w)[K][1], float (&bias)[1]) {
   const ConvParams& p = conv.p;
   const int64_t row = (p.groups == 1 ? 0 : b / batch_per_group) * p.channels + d;
-  const float* weights = static_cast<const float*>(p.weight) + row * K;
-  for (int k = 0; k < K; ++k) w[k][0] = weights[k];
-  bias[0] = p.bias == nullptr ? 0.0f : static_cast<const float*>(p.bias)[row];
+  with_param_type<T, float>(p.params_like_x, [&](auto like_x) {
+    for (int k = 0; k < K; ++k) w[k][0] = load_param<T, float>(p.weight, row * K + k, like_x);
+    bias[0] = p.bias == nullptr ? 0.0f : load_param<T, float>(p.bias, row, like_x);
+  });
 }
 
 // Times per warp item for channel-first kernels, a multiple of segment (32 V times): whole rows

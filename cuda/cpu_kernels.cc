@@ -201,16 +201,17 @@ CAUSAL_CONV_HD void pre_activation_bdl(int64_t K, int64_t n, const A* w, A bias,
   }
 }
 
-// A tile's channels d0 + dd, dd < n, with their weights transposed to w[k * n + dd], and the edge
-// path: the non-interior times, one time step for all n channels at once. It follows
-// Conv::pre_activation, Conv::weight_grad_term and Conv::input_grad tap by tap (same taps, same
-// order of additions), but asks conv.tap_used once per tap and time instead of once per point.
+// A tile's channels d0 + dd, dd < n, with their weights transposed to w[k * n + dd] (in A, whatever
+// type they are stored in), and the edge path: the non-interior times, one time step for all n
+// channels at once. It follows Conv::pre_activation, Conv::weight_grad_term and Conv::input_grad
+// tap by tap (same taps, same order of additions), but asks conv.tap_used once per tap and time
+// instead of once per point.
 // Element (t, dd) of an x-like tensor is at [t * ts + dd * cs] from the tile's (b, 0, d0).
 template <typename T, typename A, int kWidth>
 struct Channels {
   Conv<T, A, kWidth> conv;
   int64_t b, d0, n, K, P, ts, cs, origin;
-  std::vector<A> w, bias;
+  std::vector<A> w, bias, row;
   std::vector<uint8_t> used;
   std::vector<A> z;
 
@@ -218,12 +219,22 @@ struct Channels {
       : conv{p}, b(tile.b), d0(tile.d0), n(tile.d1 - tile.d0), K(conv.width()),
         P(conv.state_len()), ts(p.x_strides.time), cs(p.x_strides.channel),
         origin(offset(p.x_strides, tile.b, 0, tile.d0)), w(static_cast<size_t>(K * n)),
-        bias(static_cast<size_t>(n)), used(static_cast<size_t>(K)), z(static_cast<size_t>(n)) {
+        bias(static_cast<size_t>(n)), row(static_cast<size_t>(K)), used(static_cast<size_t>(K)),
+        z(static_cast<size_t>(n)) {
     for (int64_t dd = 0; dd < n; ++dd) {
-      const A* row = conv.weight_row(b, d0 + dd);
-      for (int64_t k = 0; k < K; ++k) w[static_cast<size_t>(k * n + dd)] = row[k];
+      for (int64_t k = 0; k < K; ++k) {
+        w[static_cast<size_t>(k * n + dd)] = conv.weight(b, d0 + dd, k);
+      }
       bias[static_cast<size_t>(dd)] = conv.bias(b, d0 + dd);
     }
+  }
+
+  // The K weights of channel d0 + dd, contiguous (valid until the next call).
+  const A* weight_row(int64_t dd) {
+    for (int64_t k = 0; k < K; ++k) {
+      row[static_cast<size_t>(k)] = w[static_cast<size_t>(k * n + dd)];
+    }
+    return row.data();
   }
 
   template <typename U>
@@ -349,8 +360,8 @@ CAUSAL_CONV_CPU_KERNEL void forward_tile(const ConvParams& p, const Tile& tile) 
   std::vector<A> z(static_cast<size_t>(tile.t1 - tile.t0));
   const Intervals runs = interior_intervals(interior, tile.t0, tile.t0, tile.t1);
   for (int64_t d = tile.d0; d < tile.d1; ++d) {
-    const A* w = ch.conv.weight_row(b, d);
-    const A bias = ch.conv.bias(b, d);
+    const A* w = ch.weight_row(d - tile.d0);
+    const A bias = ch.bias[static_cast<size_t>(d - tile.d0)];
     const T* xr = x + (b * D + d) * L;
     T* yr = y + (b * D + d) * L;
     for (const auto& [a, e] : runs) {
@@ -451,7 +462,7 @@ CAUSAL_CONV_CPU_KERNEL void backward_tile(const ConvParams& p, const Tile& tile,
     const Intervals runs = interior_intervals(interior, t0, t0, hi);
     for (int64_t dd = 0; dd < n; ++dd) {
       const int64_t d = tile.d0 + dd;
-      const A* wr = ch.conv.weight_row(b, d);
+      const A* wr = ch.weight_row(dd);
       const T* xr = x + (b * D + d) * L;
       const T* gr = dy + (b * D + d) * L;
       A* dr = delta.data() + dd * S;
@@ -493,7 +504,7 @@ CAUSAL_CONV_CPU_KERNEL void backward_tile(const ConvParams& p, const Tile& tile,
     // dx where the window [u, u + P] of dx_u is interior at u + P, per channel row.
     const auto fast_dx = [&](int64_t u) { return u >= 0 && u + P < hi && is_interior(u + P); };
     for (int64_t dd = 0; dd < n; ++dd) {
-      const A* wr = ch.conv.weight_row(b, tile.d0 + dd);
+      const A* wr = ch.weight_row(dd);
       T* dxr = dx + (b * D + tile.d0 + dd) * L;
       const A* dr = delta.data() + dd * S;
       for (const auto& run : runs) {
@@ -548,8 +559,9 @@ void forward(ffi::ThreadPool& pool, const ConvParams& p) {
   }
 }
 
+// dweight and dbias are stored in the params' type (A, or T when params_like_x).
 template <typename T, typename A, int kWidth>
-void backward(ffi::ThreadPool& pool, const ConvParams& p, A* dweight, A* dbias) {
+void backward(ffi::ThreadPool& pool, const ConvParams& p, void* dweight, void* dbias) {
   const Tiling tiling(p);
   const int64_t K = p.width, cb = tiling.channel_block;
   std::vector<A> dw_parts(static_cast<size_t>(tiling.count * cb * K));
@@ -564,9 +576,9 @@ void backward(ffi::ThreadPool& pool, const ConvParams& p, A* dweight, A* dbias) 
       backward_tile<T, A, kWidth, false>(p, tile, dw, db);
     }
   });
-  // Fixed order: batch rows of the group, then time tiles.
-  std::fill(dweight, dweight + p.groups * p.channels * K, A(0));
-  std::fill(dbias, dbias + p.groups * p.channels, A(0));
+  // Fixed order: batch rows of the group, then time tiles; summed in A, then stored.
+  std::vector<A> dw_sum(static_cast<size_t>(p.groups * p.channels * K), A(0));
+  std::vector<A> db_sum(static_cast<size_t>(p.groups * p.channels), A(0));
   const int64_t rows_per_group = p.batch / p.groups;
   for (int64_t b = 0; b < p.batch; ++b) {
     const int64_t g = b / rows_per_group;
@@ -576,12 +588,18 @@ void backward(ffi::ThreadPool& pool, const ConvParams& p, A* dweight, A* dbias) 
         const int64_t i = tiling.index(b, c, tt);
         const A* dw = dw_parts.data() + i * cb * K;
         const A* db = db_parts.data() + i * cb;
-        A* dw_out = dweight + (g * p.channels + d0) * K;
-        A* db_out = dbias + g * p.channels + d0;
+        A* dw_out = dw_sum.data() + (g * p.channels + d0) * K;
+        A* db_out = db_sum.data() + g * p.channels + d0;
         for (int64_t j = 0; j < n * K; ++j) dw_out[j] += dw[j];
         for (int64_t j = 0; j < n; ++j) db_out[j] += db[j];
       }
     }
+  }
+  for (size_t i = 0; i < dw_sum.size(); ++i) {
+    store_param<T, A>(dweight, static_cast<int64_t>(i), dw_sum[i], p.params_like_x);
+  }
+  for (size_t i = 0; i < db_sum.size(); ++i) {
+    store_param<T, A>(dbias, static_cast<int64_t>(i), db_sum[i], p.params_like_x);
   }
 }
 
@@ -596,7 +614,7 @@ ffi::Error forward_handler(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
   }
   p.y = y->untyped_data();
   p.final_state = optional_data(final_state);
-  return dispatch_dtype<Float16, BFloat16>(x.element_type(), weight.element_type(), [&](auto types) {
+  return dispatch_dtype<Float16, BFloat16>(x.element_type(), [&](auto types) {
     using Types = decltype(types);
     dispatch_width<kCpuMaxWidth>(p.width, [&](auto width) {
       forward<typename Types::Storage, typename Types::Acc, decltype(width)::value>(pool, p);
@@ -615,17 +633,15 @@ ffi::Error backward_handler(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
                             bool channel_last) {
   ConvParams p;
   if (auto err = fill_backward_params(x, weight, bias, initial_state, seq_idx, dy, dfinal_state, dx,
-                                      dinitial_state, silu, channel_last, p);
+                                      dweight, dbias, dinitial_state, silu, channel_last, p);
       err.failure()) {
     return err;
   }
-  return dispatch_dtype<Float16, BFloat16>(x.element_type(), weight.element_type(), [&](auto types) {
+  return dispatch_dtype<Float16, BFloat16>(x.element_type(), [&](auto types) {
     using Types = decltype(types);
-    using A = typename Types::Acc;
     dispatch_width<kCpuMaxWidth>(p.width, [&](auto width) {
-      backward<typename Types::Storage, A, decltype(width)::value>(
-          pool, p, static_cast<A*>(dweight->untyped_data()),
-          static_cast<A*>(dbias->untyped_data()));
+      backward<typename Types::Storage, typename Types::Acc, decltype(width)::value>(
+          pool, p, dweight->untyped_data(), dbias->untyped_data());
     });
     return ffi::Error::Success();
   });

@@ -134,14 +134,15 @@ __global__ void __launch_bounds__(kThreads)
 // Sums the partials of each weight group in a fixed order. A block owns 32 consecutive
 // (channel, k) columns of one group; its thread (column c, lane l) adds slices l, l + 8, ... of
 // column c, and lane 0 then adds the 8 lane sums in order. No atomics: bitwise deterministic.
+// The sums are stored in the params' type: A, or T when like_x.
 constexpr int kReduceColumns = 32;
 constexpr int kReduceLanes = kThreads / kReduceColumns;
 
-template <typename A>
+template <typename T, typename A>
 __global__ void __launch_bounds__(kThreads)
     reduce_partials_kernel(const A* partials, int64_t groups, int64_t rows_per_group,
-                           int64_t slices, int64_t channels, int64_t width, A* dweight,
-                           A* dbias) {
+                           int64_t slices, int64_t channels, int64_t width, bool like_x,
+                           void* dweight, void* dbias) {
   __shared__ A lane_sums[kReduceLanes][kReduceColumns];
   const int64_t per_group = channels * (width + 1);
   const int64_t column_blocks = (per_group + kReduceColumns - 1) / kReduceColumns;
@@ -164,9 +165,9 @@ __global__ void __launch_bounds__(kThreads)
       for (int l = 0; l < kReduceLanes; ++l) total += lane_sums[l][column];
       const int64_t d = j / (width + 1), k = j % (width + 1);
       if (k == width) {
-        dbias[g * channels + d] = total;
+        store_param<T, A>(dbias, g * channels + d, total, like_x);
       } else {
-        dweight[(g * channels + d) * width + k] = total;
+        store_param<T, A>(dweight, (g * channels + d) * width + k, total, like_x);
       }
     }
     __syncthreads();
@@ -375,7 +376,7 @@ ffi::Error launch_backward_partials(cudaStream_t stream, const ConvParams& p, A*
 }
 
 template <typename T, typename A, int kWidth>
-ffi::Error launch_backward(cudaStream_t stream, const ConvParams& p, A* dweight, A* dbias,
+ffi::Error launch_backward(cudaStream_t stream, const ConvParams& p, void* dweight, void* dbias,
                            size_t workspace_elements, A* partials) {
   const int64_t per_slice = p.channels * (p.width + 1);
   // Every kernel above writes at most tile_count(L) slices per row.
@@ -391,8 +392,9 @@ ffi::Error launch_backward(cudaStream_t stream, const ConvParams& p, A* dweight,
   }
   const int64_t reduce_blocks =
       std::min(kMaxGridBlocks, p.groups * ((per_slice + kReduceColumns - 1) / kReduceColumns));
-  reduce_partials_kernel<A><<<std::max<int64_t>(reduce_blocks, 1), kThreads, 0, stream>>>(
-      partials, p.groups, p.batch / p.groups, slices, p.channels, p.width, dweight, dbias);
+  reduce_partials_kernel<T, A><<<std::max<int64_t>(reduce_blocks, 1), kThreads, 0, stream>>>(
+      partials, p.groups, p.batch / p.groups, slices, p.channels, p.width, p.params_like_x,
+      dweight, dbias);
   return cuda_status("reduce kernel");
 }
 
@@ -408,7 +410,7 @@ ffi::Error forward_handler(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
   p.y = y->untyped_data();
   p.final_state = optional_data(final_state);
   return dispatch_dtype<__half, __nv_bfloat16>(
-      x.element_type(), weight.element_type(), [&](auto types) {
+      x.element_type(), [&](auto types) {
         using Types = decltype(types);
         return dispatch_width<kCudaMaxWidth>(p.width, [&](auto width) {
           return launch_forward<typename Types::Storage, typename Types::Acc,
@@ -427,19 +429,21 @@ ffi::Error backward_handler(cudaStream_t stream, ffi::AnyBuffer x,
                             ffi::Result<ffi::AnyBuffer> workspace, bool silu, bool channel_last) {
   ConvParams p;
   if (auto err = fill_backward_params(x, weight, bias, initial_state, seq_idx, dy, dfinal_state, dx,
-                                      dinitial_state, silu, channel_last, p);
+                                      dweight, dbias, dinitial_state, silu, channel_last, p);
       err.failure()) {
     return err;
   }
+  if (workspace->element_type() != accumulation_type(x.element_type())) {
+    return invalid("the backward workspace must have x's accumulation dtype");
+  }
   return dispatch_dtype<__half, __nv_bfloat16>(
-      x.element_type(), weight.element_type(), [&](auto types) {
+      x.element_type(), [&](auto types) {
         using Types = decltype(types);
         using A = typename Types::Acc;
         return dispatch_width<kCudaMaxWidth>(p.width, [&](auto width) {
           return launch_backward<typename Types::Storage, A, decltype(width)::value>(
-              stream, p, static_cast<A*>(dweight->untyped_data()),
-              static_cast<A*>(dbias->untyped_data()), workspace->element_count(),
-              static_cast<A*>(workspace->untyped_data()));
+              stream, p, dweight->untyped_data(), dbias->untyped_data(),
+              workspace->element_count(), static_cast<A*>(workspace->untyped_data()));
         });
       });
 }

@@ -28,6 +28,29 @@ inline ffi::Error invalid(const std::string& what) {
   return ffi::Error::InvalidArgument("jax_causal_conv: " + what);
 }
 
+inline ffi::DataType accumulation_type(ffi::DataType x_dtype) {
+  return x_dtype == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
+}
+
+// Weight and bias share one dtype: x's accumulation type, or x's own (then like_x is set, and the
+// kernels widen them as they load them).
+inline ffi::Error check_param_dtypes(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight,
+                                     const ffi::AnyBuffer& bias, bool& like_x) {
+  const ffi::DataType x_dtype = x.element_type(), w_dtype = weight.element_type();
+  switch (x_dtype) {
+    case ffi::DataType::F32: case ffi::DataType::F64: case ffi::DataType::F16:
+    case ffi::DataType::BF16: break;
+    default: return invalid("x must be float16, bfloat16, float32 or float64");
+  }
+  if (w_dtype != x_dtype && w_dtype != accumulation_type(x_dtype)) {
+    return invalid("weight must have x's dtype or x's accumulation dtype (float32; float64 for "
+                   "float64 x)");
+  }
+  if (bias.element_type() != w_dtype) return invalid("bias must have weight's dtype");
+  like_x = w_dtype == x_dtype;
+  return ffi::Error::Success();
+}
+
 // x is (batch, length, channels) for channel_last, else (batch, channels, length);
 // weight is (groups, channels, width), bias (groups, channels).
 inline ffi::Error fill_params(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight,
@@ -57,6 +80,7 @@ inline ffi::Error fill_params(const ffi::AnyBuffer& x, const ffi::AnyBuffer& wei
       seq_idx.element_count() != static_cast<size_t>(p.batch * p.length)) {
     return invalid("seq_idx must be (batch, length)");
   }
+  if (auto err = check_param_dtypes(x, weight, bias, p.params_like_x); err.failure()) return err;
   p.silu = silu;
   p.channel_last = channel_last;
   p.x_strides = make_strides(p.length, p.channels, channel_last);
@@ -69,14 +93,16 @@ inline ffi::Error fill_params(const ffi::AnyBuffer& x, const ffi::AnyBuffer& wei
   return ffi::Error::Success();
 }
 
-// fill_params plus the backward's buffers: dy and dx shaped like x, dfinal_state and
-// dinitial_state like the state (or empty).
+// fill_params plus the backward's buffers: dy and dx shaped like x, dweight and dbias like weight
+// and bias (same dtype), dfinal_state and dinitial_state like the state (or empty).
 inline ffi::Error fill_backward_params(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight,
                                        const ffi::AnyBuffer& bias,
                                        const ffi::AnyBuffer& initial_state,
                                        const ffi::Buffer<ffi::S32>& seq_idx,
                                        const ffi::AnyBuffer& dy, const ffi::AnyBuffer& dfinal_state,
                                        ffi::Result<ffi::AnyBuffer>& dx,
+                                       ffi::Result<ffi::AnyBuffer>& dweight,
+                                       ffi::Result<ffi::AnyBuffer>& dbias,
                                        ffi::Result<ffi::AnyBuffer>& dinitial_state, bool silu,
                                        bool channel_last, ConvParams& p) {
   if (auto err = fill_params(x, weight, bias, initial_state, seq_idx, silu, channel_last, p);
@@ -85,6 +111,14 @@ inline ffi::Error fill_backward_params(const ffi::AnyBuffer& x, const ffi::AnyBu
   }
   if (dy.element_count() != x.element_count() || dx->element_count() != x.element_count()) {
     return invalid("dy and dx must have x's size");
+  }
+  if (dweight->element_type() != weight.element_type() ||
+      dbias->element_type() != weight.element_type()) {
+    return invalid("dweight and dbias must have weight's dtype");
+  }
+  if (dweight->element_count() != weight.element_count() ||
+      dbias->element_count() != bias.element_count()) {
+    return invalid("dweight and dbias must have the sizes of weight and bias");
   }
   const size_t state_count = static_cast<size_t>(p.batch * (p.width - 1) * p.channels);
   for (const size_t count : {dfinal_state.element_count(), dinitial_state->element_count()}) {
@@ -120,8 +154,8 @@ auto bind_backward(B binding) {
       .template Arg<ffi::AnyBuffer>()            // dy
       .template Arg<ffi::AnyBuffer>()            // dfinal_state (empty when absent)
       .template Ret<ffi::AnyBuffer>()            // dx
-      .template Ret<ffi::AnyBuffer>()            // dweight (groups, channels, width), accumulation type
-      .template Ret<ffi::AnyBuffer>()            // dbias (groups, channels), accumulation type
+      .template Ret<ffi::AnyBuffer>()            // dweight (groups, channels, width), as weight
+      .template Ret<ffi::AnyBuffer>()            // dbias (groups, channels), as weight
       .template Ret<ffi::AnyBuffer>()            // dinitial_state (empty when absent)
       .template Ret<ffi::AnyBuffer>()            // workspace (backward_workspace_elements)
       .template Attr<bool>("silu")
@@ -135,11 +169,10 @@ struct TypePair {
 };
 
 // The dtype table: x's dtype picks the storage type T and the accumulation type A; weight and bias
-// arrive already in A. Each platform names its own half types.
+// arrive in A or in T (the params' params_like_x, checked by check_param_dtypes). Each platform
+// names its own half types.
 template <typename Half, typename BFloat16, typename Fn>
-ffi::Error dispatch_dtype(ffi::DataType x_dtype, ffi::DataType weight_dtype, Fn&& fn) {
-  const ffi::DataType acc = x_dtype == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
-  if (weight_dtype != acc) return invalid("weight and bias must be in x's accumulation type");
+ffi::Error dispatch_dtype(ffi::DataType x_dtype, Fn&& fn) {
   switch (x_dtype) {
     case ffi::DataType::F32: return fn(TypePair<float, float>{});
     case ffi::DataType::F64: return fn(TypePair<double, double>{});
@@ -202,6 +235,7 @@ inline ffi::Error fill_update_params(const ffi::AnyBuffer& x, const ffi::AnyBuff
   if (bias.element_count() != static_cast<size_t>(p.groups * p.channels)) {
     return invalid("bias must be (groups, channels)");
   }
+  if (auto err = check_param_dtypes(x, weight, bias, p.params_like_x); err.failure()) return err;
   const size_t batch = static_cast<size_t>(p.batch);
   if (cache_seqlens.element_count() != 0 && cache_seqlens.element_count() != batch) {
     return invalid("cache_seqlens must be (batch,)");

@@ -37,7 +37,7 @@ ffi::Error update_handler(ffi::AnyBuffer x, ffi::AnyBuffer weight, ffi::AnyBuffe
   p.state = state;
   p.y = y->untyped_data();
   return dispatch_dtype<Float16, BFloat16>(
-      x.element_type(), weight.element_type(), [&](auto types) {
+      x.element_type(), [&](auto types) {
         using Types = decltype(types);
         dispatch_width<kCpuMaxWidth>(p.width, [&](auto width) {
           update<typename Types::Storage, typename Types::Acc, decltype(width)::value>(p);

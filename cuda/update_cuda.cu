@@ -50,6 +50,19 @@ __device__ __forceinline__ void load_constants(const A* src, A (&out)[N]) {
   }
 }
 
+// N consecutive weights or biases from element index of base, as A: stored in A, or in T when
+// like_x (conv_math.h's load_param rule), loaded as load_constants does and widened in registers.
+template <typename T, typename A, int N, bool kWide>
+__device__ __forceinline__ void load_wide_params(const void* base, int64_t index, bool like_x,
+                                                 A (&out)[N]) {
+  with_param_type<T, A>(like_x, [&](auto stored_like_x) {
+    using S = std::conditional_t<decltype(stored_like_x)::value, T, A>;
+    S stored[N];
+    load_constants<S, N, kWide>(static_cast<const S*>(base) + index, stored);
+    for (int i = 0; i < N; ++i) out[i] = to_acc<A>(stored[i]);
+  });
+}
+
 // Batch rows per thread in the one-token kernel. The thread loads its channels' weights once for
 // all of them (re-read for every row, they were as many L2 bytes as the data) and has all their
 // loads in flight before its first store. The rows' words and the weights stay within
@@ -104,9 +117,9 @@ __global__ void __launch_bounds__(kUpdateThreads, 2)
     const int64_t channel0 = int64_t{group} * p.channels + d0;
 
     A w[V * K], bias[V];
-    load_constants<A, V * K, (V > 1)>(static_cast<const A*>(p.weight) + channel0 * K, w);
+    load_wide_params<T, A, V * K, (V > 1)>(p.weight, channel0 * K, p.params_like_x, w);
     if (p.bias) {
-      load_constants<A, V, (V > 1)>(static_cast<const A*>(p.bias) + channel0, bias);
+      load_wide_params<T, A, V, (V > 1)>(p.bias, channel0, p.params_like_x, bias);
     } else {
       for (int v = 0; v < V; ++v) bias[v] = A(0);
     }
@@ -258,7 +271,7 @@ ffi::Error update_handler(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
   p.state = state;
   p.y = y->untyped_data();
   return dispatch_dtype<__half, __nv_bfloat16>(
-      x.element_type(), weight.element_type(), [&](auto types) {
+      x.element_type(), [&](auto types) {
         using Types = decltype(types);
         return dispatch_width<kCudaMaxWidth>(p.width, [&](auto width) {
           return launch_update<typename Types::Storage, typename Types::Acc,

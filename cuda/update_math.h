@@ -12,12 +12,14 @@ namespace causal_conv {
 
 // Filled by the FFI handler. x and y are (batch, tokens, channels) and the state
 // (pool, state_len, channels), both in x's layout; weight (groups, channels, width) and bias
-// (groups, channels) in the accumulation type. Optional tensors are null when absent.
+// (groups, channels) in the accumulation type, or in x's type when params_like_x (as in
+// ConvParams). Optional tensors are null when absent.
 struct UpdateParams {
   int64_t batch = 0, tokens = 0, channels = 0, width = 0, groups = 1;
   int64_t pool = 0, state_len = 0;
   bool silu = false;
   bool channel_last = true;
+  bool params_like_x = false;
   Strides x_strides{}, state_strides{};
   const void* x = nullptr;
   const void* weight = nullptr;
@@ -37,11 +39,14 @@ struct Update {
   CAUSAL_CONV_HD int64_t history() const { return width() - 1; }
 
   CAUSAL_CONV_HD int64_t group(int64_t b) const { return b / (p.batch / p.groups); }
-  CAUSAL_CONV_HD const A* weight_row(int64_t b, int64_t d) const {
-    return static_cast<const A*>(p.weight) + (group(b) * p.channels + d) * width();
+  CAUSAL_CONV_HD int64_t param_row(int64_t b, int64_t d) const {
+    return group(b) * p.channels + d;
+  }
+  CAUSAL_CONV_HD A weight(int64_t b, int64_t d, int64_t k) const {
+    return load_param<T, A>(p.weight, param_row(b, d) * width() + k, p.params_like_x);
   }
   CAUSAL_CONV_HD A bias(int64_t b, int64_t d) const {
-    return p.bias ? static_cast<const A*>(p.bias)[group(b) * p.channels + d] : A(0);
+    return p.bias ? load_param<T, A>(p.bias, param_row(b, d), p.params_like_x) : A(0);
   }
 
   // The pool row that batch row b reads and writes, or -1 when b is padding.
@@ -72,10 +77,9 @@ struct Update {
   }
 
   CAUSAL_CONV_HD A output(int64_t b, int64_t row, int64_t t, int64_t d) const {
-    const A* w = weight_row(b, d);
     const int64_t P = history();
     A z = bias(b, d);
-    for (int64_t k = 0; k < width(); ++k) z += w[k] * input(b, row, t - P + k, d);
+    for (int64_t k = 0; k < width(); ++k) z += weight(b, d, k) * input(b, row, t - P + k, d);
     return activate(z, p.silu);
   }
 
