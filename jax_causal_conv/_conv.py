@@ -6,11 +6,10 @@ from functools import partial
 from typing import NamedTuple, Optional
 
 import jax
-import jax.numpy as jnp
 
 from . import _sharding
+from ._primitives import grouped_params
 from ._validation import check_conv_args
-from .reference import accumulation_dtype
 
 
 class _Config(NamedTuple):
@@ -60,7 +59,7 @@ def causal_conv1d(
       x: (B, L, D) for ``layout="BLD"`` or (B, D, L) for ``layout="BDL"``; float16, bfloat16,
         float32 or float64.
       weight: (D, K), 1 <= K <= 256; ``weight[:, K-1]`` multiplies the current input (PyTorch
-        ``conv1d.weight[:, 0, :]`` order). Any float dtype.
+        ``conv1d.weight[:, 0, :]`` order). Any float dtype; see the dtype note below.
       bias: optional (D,), any float dtype.
       activation: None, ``"silu"`` or ``"swish"`` (the same as ``"silu"``).
       initial_state: optional conv state, (B, K-1, D) for "BLD" or (B, D, K-1) for "BDL", oldest
@@ -74,15 +73,19 @@ def causal_conv1d(
       y with x's shape and dtype, or ``(y, final_state)`` when ``return_final_state``.
 
     Differentiable (``jax.custom_vjp`` with a fused backward kernel) in x, weight, bias and
-    initial_state, including the cotangent of final_state. Accumulates in float32 (float64 for
-    float64 x).
+    initial_state, including the cotangent of final_state; every gradient has its primal's dtype.
+    Accumulates in float32 (float64 for float64 x).
+
+    Weight and bias dtypes: when both are in x's dtype (bias may be None), or both in the
+    accumulation dtype, the kernels read them as they are, and the backward's kernel writes dweight
+    and dbias in that dtype (summed in the accumulation dtype, rounded once), so no convert op runs
+    around the call. Other combinations are converted to the accumulation dtype first, and the
+    gradients back to the weight's and bias's own dtypes.
     """
     (x, weight, bias, initial_state, seq_idx, return_final_state), spec = check_conv_args(
         x, weight, bias, activation=activation, initial_state=initial_state, seq_idx=seq_idx,
         return_final_state=return_final_state, layout=layout,
     )
-    acc = accumulation_dtype(x.dtype)
-    grouped_weight = weight.astype(acc)[None]
-    grouped_bias = (jnp.zeros((spec.channels,), acc) if bias is None else bias.astype(acc))[None]
+    grouped_weight, grouped_bias = grouped_params(x.dtype, weight, bias, spec.channels)
     config = _Config(spec.silu, spec.channel_last, return_final_state)
     return _conv(config, x, grouped_weight, grouped_bias, initial_state, seq_idx)

@@ -6,8 +6,9 @@ that a vmapped call is still one custom call.
 
 Operands are the present inputs in a fixed slot order; absent optional inputs are simply not
 operands (flags in the params say which are present) and travel to the FFI handler as empty
-buffers. Weight and bias arrive as (groups, D, K) and (groups, D) in the accumulation dtype;
-batch row b uses group b // (B // groups).
+buffers. Weight and bias arrive as (groups, D, K) and (groups, D), both in x's dtype or both in
+the accumulation dtype (see grouped_params); dweight and dbias come back in that dtype. Batch row
+b uses group b // (B // groups).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _native, reference
+from .reference import accumulation_dtype
 
 FWD_SLOTS = ("x", "weight", "bias", "initial_state", "seq_idx")
 BWD_SLOTS = FWD_SLOTS + ("dy", "dfinal_state")
@@ -32,6 +34,24 @@ forward_p = Primitive("causal_conv1d_fwd")
 forward_p.multiple_results = True
 backward_p = Primitive("causal_conv1d_bwd")
 backward_p.multiple_results = True
+
+
+def params_dtype(x_dtype, weight, bias):
+    """The dtype weight and bias travel to the kernels in: x's own when both already have it (the
+    kernels widen them as they load them, so the program holds no convert of them), else x's
+    accumulation dtype (the one the kernels compute in)."""
+    x_dtype = jnp.dtype(x_dtype)
+    if weight.dtype == x_dtype and (bias is None or bias.dtype == x_dtype):
+        return x_dtype
+    return accumulation_dtype(x_dtype)
+
+
+def grouped_params(x_dtype, weight, bias, channels: int):
+    """Weight (D, K) and bias (D,) or None as one group, (1, D, K) and (1, D), in params_dtype;
+    an absent bias is zeros. Under autodiff their cotangents come back in the user's dtypes."""
+    dtype = params_dtype(x_dtype, weight, bias)
+    grouped_bias = jnp.zeros((channels,), dtype) if bias is None else bias.astype(dtype)
+    return weight.astype(dtype)[None], grouped_bias[None]
 
 
 def _present(slots, params) -> list[str]:
@@ -153,12 +173,13 @@ def _backward_fallback(*operands, **params):
 # ---- FFI lowering ----
 
 def _workspace_aval(platform, avals_in, params):
-    """The backward's extra workspace output, sized by the platform's kernel."""
+    """The backward's extra workspace output (partial sums in the accumulation dtype), sized by
+    the platform's kernel."""
     x, weight = avals_in[0], avals_in[1]
     batch = x.shape[0]
     length, channels = (x.shape[1], x.shape[2]) if params["channel_last"] else (x.shape[2], x.shape[1])
     n = _native.backward_workspace_elements(platform, batch, length, channels, weight.shape[-1])
-    return jax.core.ShapedArray((n,), weight.dtype)
+    return jax.core.ShapedArray((n,), accumulation_dtype(x.dtype))
 
 
 def _ffi_rule(platform, target, slots, result_slots):
@@ -249,7 +270,8 @@ def _bind(prim, *operands, **params):
 
 def forward(x, weight, bias, initial_state, seq_idx, *, silu, channel_last, return_final_state,
             bind=_bind):
-    """y (and the final state) from grouped weight (G, D, K) and bias (G, D).
+    """y (and the final state) from grouped weight (G, D, K) and bias (G, D), both in x's dtype or
+    both in its accumulation dtype.
 
     `bind(primitive, *operands, **params)` binds the primitive (the sharding module passes its own).
     """

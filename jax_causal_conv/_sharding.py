@@ -6,7 +6,8 @@ It then calls ``_partition`` with the shardings it chose, and every device runs 
 own shard:
 
 - Batch (B) and channel (D) shards are independent: no communication in the forward; the backward
-  sums dweight and dbias (psum) over the mesh axes that shard B or L, never over those sharding D.
+  sums dweight and dbias (psum, in the accumulation dtype) over the mesh axes that shard B or L,
+  never over those sharding D.
 - Sequence (L) shards (context parallelism): each device sends the last K-1 steps of its x (and
   of seq_idx) to the next device with a collective-permute; they become that device's initial
   state, while the first shard uses the real initial_state. The final state is the last shard's.
@@ -40,6 +41,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import _primitives
+from .reference import accumulation_dtype
 
 _STATE_SLOTS = ("initial_state", "final_state", "dfinal_state", "dinitial_state")
 _X_SLOTS = ("x", "y", "dy", "dx")
@@ -213,6 +215,14 @@ def _backward_local(plan: _Plan, params, *operands):
     a = dict(zip(_primitives._present(_primitives.BWD_SLOTS, params), operands))
     x, seq_idx = a["x"], a.get("seq_idx")
     weight, bias, start = _local_groups(plan, a["weight"], a["bias"])
+    # Weight groups split over the batch axes get all their rows' terms on one device.
+    reduce_axes = (() if plan.group_axes else plan.batch_axes) + plan.length_axes
+    params_dtype = weight.dtype
+    if reduce_axes:
+        # The devices' dweight/dbias terms are summed in the accumulation dtype, as one device
+        # sums its own, and rounded to the params' dtype once.
+        acc = accumulation_dtype(x.dtype)
+        weight, bias = weight.astype(acc), bias.astype(acc)
     flags = dict(silu=params["silu"], channel_last=params["channel_last"])
     if not _splits_length(plan):
         dx, dweight, dbias, dinitial = _primitives.backward(
@@ -238,10 +248,9 @@ def _backward_local(plan: _Plan, params, *operands):
             dinitial = lax.psum(jnp.where(halo.index == 0, dstate, 0), plan.length_axes)
     dweight = _to_all_groups(plan, dweight, start)
     dbias = _to_all_groups(plan, dbias, start)
-    # Weight groups split over the batch axes get all their rows' terms on one device.
-    reduce_axes = (() if plan.group_axes else plan.batch_axes) + plan.length_axes
     if reduce_axes:
         dweight, dbias = lax.psum((dweight, dbias), reduce_axes)
+        dweight, dbias = dweight.astype(params_dtype), dbias.astype(params_dtype)
     outs = (dx, dweight, dbias)
     return outs + (dinitial,) if params["has_initial_state"] else outs
 

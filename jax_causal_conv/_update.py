@@ -6,8 +6,9 @@ like the forward primitive in _primitives.py. The FFI call aliases conv_state to
 with the state donated under jit the pool is updated in place instead of copied.
 
 Operands, in the FFI binding's order: x (B, T, D) or (B, D, T), weight (G, D, K) and bias (G, D)
-in the accumulation dtype, conv_state, then cache_seqlens and state_indices when present (absent
-ones travel to the FFI handler as empty buffers). Batch row b uses weight group b // (B // G).
+(both in x's dtype or both in the accumulation dtype, as for the conv primitives), conv_state, then
+cache_seqlens and state_indices when present (absent ones travel to the FFI handler as empty
+buffers). Batch row b uses weight group b // (B // G).
 """
 
 from __future__ import annotations
@@ -76,10 +77,12 @@ def _fallback(*operands, **params):
         return v if channel_last else jnp.swapaxes(v, 1, 2)
 
     x = to_bld(a["x"])
-    rows_per_group = x.shape[0] // a["weight"].shape[0]
+    acc = accumulation_dtype(x.dtype)  # update_rows computes in the weight's dtype
+    weight, bias = a["weight"].astype(acc), a["bias"].astype(acc)
+    rows_per_group = x.shape[0] // weight.shape[0]
     y, new_state = reference.update_rows(
         x, to_bld(a["conv_state"]),
-        jnp.repeat(a["weight"], rows_per_group, axis=0), jnp.repeat(a["bias"], rows_per_group, axis=0),
+        jnp.repeat(weight, rows_per_group, axis=0), jnp.repeat(bias, rows_per_group, axis=0),
         a.get("cache_seqlens"), a.get("state_indices"), silu=params["silu"],
     )
     return [to_bld(y), to_bld(new_state)]
@@ -158,7 +161,10 @@ def causal_conv1d_update(
         float16, bfloat16, float32 or float64.
       conv_state: (pool, S, D) for "BLD" or (pool, D, S) for "BDL", S >= K-1, in x's dtype.
         Without ``state_indices`` pool must equal B.
-      weight: (D, K), 1 <= K <= 256, PyTorch ``conv1d.weight[:, 0, :]`` order. Any float dtype.
+      weight: (D, K), 1 <= K <= 256, PyTorch ``conv1d.weight[:, 0, :]`` order. Any float dtype:
+        weight and bias both in x's dtype (bias may be None) or both in the accumulation dtype
+        are read by the kernel as they are; other combinations are converted to the accumulation
+        dtype first.
       bias: optional (D,), any float dtype.
       activation: None, ``"silu"`` or ``"swish"``.
       cache_seqlens: optional int32 (B,). Absent: shift mode, the state holds the last S inputs
@@ -182,9 +188,7 @@ def causal_conv1d_update(
         x, conv_state, weight, bias, activation=activation, cache_seqlens=cache_seqlens,
         state_indices=state_indices, layout=layout,
     )
-    acc = accumulation_dtype(x3.dtype)
-    grouped_weight = weight.astype(acc)[None]
-    grouped_bias = (jnp.zeros((spec.channels,), acc) if bias is None else bias.astype(acc))[None]
+    grouped_weight, grouped_bias = _primitives.grouped_params(x3.dtype, weight, bias, spec.channels)
     operands = [
         v for v in (x3, grouped_weight, grouped_bias, conv_state, cache_seqlens, state_indices)
         if v is not None

@@ -89,7 +89,9 @@ class CausalConv1d(nnx.Module):
       use_bias: whether to add a learned bias.
       activation: None, ``"silu"`` or ``"swish"``.
       dtype: computation dtype (x is cast to it); None keeps x's dtype.
-      param_dtype: dtype of the parameters.
+      param_dtype: dtype of the parameters. In x's dtype (after the ``dtype`` cast) or in its
+        accumulation dtype (float32; float64 for float64 x) the kernels read them without a
+        convert op; see ``causal_conv1d``.
       kernel_init: initializer of the (features, kernel_size) kernel.
       bias_init: initializer of the (features,) bias.
       rngs: the ``nnx.Rngs`` the parameters are drawn from.
