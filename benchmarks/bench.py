@@ -561,12 +561,14 @@ def bench_case(case: Case, args: argparse.Namespace, log):
     return results, notes
 
 
-def make_decode_inputs(case: DecodeCase, n_sets: int, seed: int = 0):
-    """n_sets tokens x and states, and the shared weight and bias."""
+def make_decode_inputs(case: DecodeCase, n_sets: int, seed: int = 0,
+                       param_dtype: Optional[str] = None):
+    """n_sets tokens x and states, and the shared weight and bias (in param_dtype, or x's)."""
     rng = np.random.default_rng(seed)
     dtype = jnp.dtype(case.dtype)
-    w = jnp.asarray(rng.uniform(-1, 1, (case.D, case.K)) / math.sqrt(case.K), dtype)
-    b = jnp.asarray(rng.uniform(-0.5, 0.5, (case.D,)), dtype)
+    params = jnp.dtype(param_dtype or case.dtype)
+    w = jnp.asarray(rng.uniform(-1, 1, (case.D, case.K)) / math.sqrt(case.K), params)
+    b = jnp.asarray(rng.uniform(-0.5, 0.5, (case.D,)), params)
     key = jax.random.PRNGKey(seed)
     xs, states = [], []
     for _ in range(n_sets):
@@ -584,7 +586,7 @@ def bench_decode(case: DecodeCase, args: argparse.Namespace, log):
     if "reference" in args.impls and hasattr(reference, "causal_conv1d_update"):
         impls["reference"] = reference.causal_conv1d_update
     n_sets = n_input_sets(case.floor_bytes, args.l2_mb << 20, args.quick)
-    xs, states, w, b = make_decode_inputs(case, n_sets)
+    xs, states, w, b = make_decode_inputs(case, n_sets, param_dtype=args.param_dtype)
     results, notes = {}, []
 
     def update_fn(impl):
@@ -865,8 +867,8 @@ def parse_args(argv=None):
     p.add_argument("--no-loop", action="store_true", help="skip the fori_loop method (prefill)")
     p.add_argument("--no-check", action="store_true", help="skip the accuracy check")
     p.add_argument("--param-dtype", choices=("float32",), default=None,
-                   help="weight and bias dtype for the prefill cases (default: x's dtype); "
-                        "float32 as in mixed-precision training")
+                   help="weight and bias dtype (default: x's dtype); float32 as in "
+                        "mixed-precision training")
     p.add_argument("--l2-mb", type=int, default=50, help="L2 size used to size the input rotation")
     p.add_argument("--copy-min-tbps", type=float, default=3.9,
                    help="warn on a GPU when the copy of a large array is slower than this")

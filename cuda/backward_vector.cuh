@@ -247,11 +247,7 @@ __global__ void __launch_bounds__(kThreads)
       const auto deltas = [&](auto select, const int32_t* segments) {
         constexpr bool kSelect = decltype(select)::value;
         for (int v = 0; v < V; ++v) {
-          float z = bias[0];
-          for (int k = 0; k < K; ++k) {
-            const float tap = fmaf(w[k][0], xs[v + k], z);
-            z = (!kSelect || same_segment(segments[P + v], segments[v + k])) ? tap : z;
-          }
+          const float z = channel_first_pre_activation<kSelect>(w, bias[0], xs, segments, v);
           const bool output = exists && !(kSelect && segments[P + v] < 0);
           out.delta[v] = output ? dy[v] * activation_grad(z, p.silu) : 0.0f;
           if (accumulate) {
@@ -456,11 +452,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     const auto deltas = [&](auto select) {
       constexpr bool kSelect = decltype(select)::value;
       for (int v = 0; v < V; ++v) {
-        float z = bias[0];
-        for (int k = 0; k < K; ++k) {
-          const float tap = fmaf(w[k][0], xs[v + k], z);
-          z = (!kSelect || same_segment(segments[P + v], segments[v + k])) ? tap : z;
-        }
+        const float z = channel_first_pre_activation<kSelect>(w, bias[0], xs, segments, v);
         const float grad = dys[v] * activation_grad(z, p.silu);
         delta[v] = (kSelect && segments[P + v] < 0) ? 0.0f : grad;
         if (live) {

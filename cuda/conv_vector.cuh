@@ -317,6 +317,22 @@ struct ChannelFirstCarry {
   }
 };
 
+// The pre-activation of output t0 + v of a channel-first lane from xs = x_{t0-P} .. x_{t0+V-1}
+// (N = P + V, or more): with kSelect only the taps seq_idx's masks keep, segments[j] being the
+// entry of xs[j]; without, every tap.
+template <bool kSelect, int K, int N>
+__device__ __forceinline__ float channel_first_pre_activation(const float (&w)[K][1], float bias,
+                                                              const float (&xs)[N],
+                                                              const int32_t* segments, int v) {
+  constexpr int P = K - 1;
+  float z = bias;
+  for (int k = 0; k < K; ++k) {
+    const float tap = fmaf(w[k][0], xs[v + k], z);
+    z = (!kSelect || same_segment(segments[P + v], segments[v + k])) ? tap : z;
+  }
+  return z;
+}
+
 // ---- seq_idx in channel-first rows ----
 //
 // In packed sequences nearly every segment of 32 V times lies inside one sequence, where every

@@ -118,11 +118,7 @@ __device__ __forceinline__ void channel_first_outputs(const float (&w)[K][1], fl
                                                       float (&out)[V]) {
   constexpr int P = K - 1;
   for (int v = 0; v < V; ++v) {
-    float z = bias;
-    for (int k = 0; k < K; ++k) {
-      const float tap = fmaf(w[k][0], xs[v + k], z);
-      z = (!kSelect || same_segment(segments[P + v], segments[v + k])) ? tap : z;
-    }
+    const float z = channel_first_pre_activation<kSelect>(w, bias, xs, segments, v);
     out[v] = (kSelect && segments[P + v] < 0) ? 0.0f : activate(z, silu);
   }
 }

@@ -8,6 +8,8 @@
 #   EXTREME_ARGS="--only K=256" DETERMINISM_ARGS="--runs 100"  # extra arguments for those two scripts
 #   PYTEST_ARGS="tests/test_backward.py -k determinism" scripts/gpu_check.sh
 #   PYTEST_JOBS=3 scripts/gpu_check.sh   # the tests dealt out to 3 processes on the one GPU
+#   PYTEST_TIMEOUT=240 scripts/gpu_check.sh  # a shard still running then is stopped, and the
+#                                            # summary counts what it had run
 #   CMAKE_ARGS=-DCMAKE_CUDA_ARCHITECTURES=90 scripts/gpu_check.sh   # H100/H200 only: faster build
 #   STEPS="build bench" BENCH_ARGS="--cases main --impls ours,copy" scripts/gpu_check.sh
 set -uo pipefail
@@ -15,6 +17,7 @@ OUT=${OUT:-$(mktemp -d)}
 STEPS=${STEPS:-"build tests examples"}
 PYTEST_ARGS=${PYTEST_ARGS:-tests}
 PYTEST_JOBS=${PYTEST_JOBS:-1}
+PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-0}  # seconds per shard; 0: no limit
 EXTREME_ARGS=${EXTREME_ARGS:-}
 DETERMINISM_ARGS=${DETERMINISM_ARGS:-}
 BENCH_ARGS=${BENCH_ARGS:-}
@@ -43,13 +46,21 @@ if step tests; then
   for ((job = 0; job < PYTEST_JOBS; job++)); do
     # shellcheck disable=SC2086
     # -P: do not put the checkout first on sys.path (it has no compiled extensions).
-    JCC_TEST_SHARD=$job/$PYTEST_JOBS XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    JCC_TEST_SHARD=$job/$PYTEST_JOBS XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$PYTEST_TIMEOUT" \
       python3 -P -m pytest -q -m gpu -p no:cacheprovider $PYTEST_ARGS >"$OUT/pytest_gpu_$job.log" 2>&1 &
   done
   wait
+  count() { tr -cd "$1" <<<"$progress" | wc -c; }  # of character $1 in $progress
   for ((job = 0; job < PYTEST_JOBS; job++)); do
-    summary+=("pytest -m gpu $PYTEST_ARGS (shard $job/$PYTEST_JOBS): $(tail -1 "$OUT/pytest_gpu_$job.log")")
-    grep -E "^(FAILED|ERROR)" "$OUT/pytest_gpu_$job.log" | head -20
+    log="$OUT/pytest_gpu_$job.log"
+    if grep -qE "^[0-9]+ (passed|failed|error)|^no tests ran" "$log"; then
+      result=$(tail -1 "$log")
+    else  # stopped by PYTEST_TIMEOUT: the progress characters of -q say how far it got
+      progress=$(grep -E "^[.sFEx]+( +\[ *[0-9]+%\])?$" "$log" | tr -cd '.sFEx')
+      result="STOPPED after $PYTEST_TIMEOUT s: $(count .) passed, $(count F) failed, $(count E) errors, $(count s) skipped so far"
+    fi
+    summary+=("pytest -m gpu $PYTEST_ARGS (shard $job/$PYTEST_JOBS): $result")
+    grep -E "^(FAILED|ERROR)" "$log" | head -20
   done
 fi
 
