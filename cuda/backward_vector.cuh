@@ -172,6 +172,19 @@ struct SegmentDelta {
   float delta[V];
 };
 
+// Blocks of kChannelFirstThreads per SM the channel-first backward's registers must allow (0: no
+// bound). It is bound by issue slots at its occupancy: left free, the 16-bit kernels took 102-167
+// registers (3-4 blocks of 128). Capped at 5 blocks (96 registers), bf16 K = 4 spills 28 bytes
+// and still ran the main workload in 150.5 us, against 167.0 for 2 blocks of 256 (114
+// registers); 16-bit K <= 4 and float32 K <= 6 get that cap. At 4 blocks (128 registers) no
+// unmasked kernel spills, nor do the masked ones up to K = 5 (at most 12 bytes); the masked ones
+// above K = 5 would spill 24-144 bytes there and are left free.
+template <typename T, int K, bool kMasked>
+constexpr int channel_first_backward_min_blocks() {
+  if constexpr (kMasked) return K <= 5 ? 4 : 0;
+  return (sizeof(T) == 2 && K <= 4) || (sizeof(T) == 4 && K <= 6) ? 5 : 4;
+}
+
 // (B, D, L), L a multiple of the pack V. A warp streams chunk_len times of one (b, d) row in
 // segments of 32 V times, lane l owning V consecutive times of each. Per segment it computes delta
 // (x halos from lower lanes by shuffle) and, once the next segment's delta is known, dx (delta
@@ -180,7 +193,8 @@ struct SegmentDelta {
 // row does computes the first P deltas after it again (they belong to the next chunk). With
 // seq_idx, the uniform segments run the unmasked arithmetic; the others load their seq_idx entries.
 template <typename T, int K, bool kMasked>
-__global__ void __launch_bounds__(kThreads)
+__global__ void
+__launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, kMasked>())
     backward_channel_first_kernel(ConvParams p, float* partials, int64_t chunk_len) {
   constexpr int V = kPack<T>;
   constexpr int P = K - 1;

@@ -18,6 +18,11 @@
 namespace causal_conv {
 
 constexpr int kThreads = 256;
+// Threads per block of the channel-first kernels (a warp per item, so only the grid's granularity
+// and the register cap change with it). Blocks of 128 with the bounds below measured faster than
+// blocks of 256 on the main workload (bf16 B=8 L=2048 D=4096 K=4): forward 81.5 against 85.3 us,
+// backward 150.5 against 163.4 (benchmarks/RESULTS.md, seventh session).
+constexpr int kChannelFirstThreads = 128;
 constexpr unsigned kFullWarp = 0xffffffffu;
 constexpr int kLanes = 32;
 

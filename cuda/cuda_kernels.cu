@@ -190,8 +190,12 @@ bool vector_applies(const ConvParams& p, bool backward) {
   }
 }
 
-// Blocks for a kernel in which each warp takes whole items (channel-first rows or pieces of them).
-int64_t grid_for_warps(int64_t items) { return grid_for(items * kLanes); }
+// Blocks of kChannelFirstThreads for a kernel in which each warp takes whole items (channel-first
+// rows or pieces of them).
+int64_t grid_for_warps(int64_t items) {
+  const int64_t blocks = (items * kLanes + kChannelFirstThreads - 1) / kChannelFirstThreads;
+  return std::max<int64_t>(1, std::min(kMaxGridBlocks, blocks));
+}
 
 // Warp items the channel-first kernels aim for: enough to fill an H200 a few times over (the
 // backward's are dearer to split, see backward_channel_first_kernel).
@@ -286,7 +290,7 @@ void launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
                             forward_item_segments<kMasked>());
     const int64_t items = p.batch * p.channels * ((p.length + chunk_len - 1) / chunk_len);
     forward_channel_first_kernel<T, K, kMasked>
-        <<<grid_for_warps(items), kThreads, 0, stream>>>(p, chunk_len);
+        <<<grid_for_warps(items), kChannelFirstThreads, 0, stream>>>(p, chunk_len);
   }
 }
 
@@ -316,7 +320,8 @@ int64_t launch_vector_backward(cudaStream_t stream, const ConvParams& p, float* 
                           backward_item_segments<kMasked>());
   const int64_t chunks = (p.length + chunk_len - 1) / chunk_len;
   backward_channel_first_kernel<T, K, kMasked>
-      <<<grid_for_warps(p.batch * p.channels * chunks), kThreads, 0, stream>>>(p, partials, chunk_len);
+      <<<grid_for_warps(p.batch * p.channels * chunks), kChannelFirstThreads, 0, stream>>>(
+          p, partials, chunk_len);
   return chunks;
 }
 

@@ -126,16 +126,22 @@ __device__ __forceinline__ void channel_first_outputs(const float (&w)[K][1], fl
 // Segments whose packs a channel-first lane has in flight: with one, a warp waited for every load.
 constexpr int kForwardAhead = 3;
 
-// Blocks per SM the channel-first forward's registers must allow (0: no bound). ptxas gives the
-// unmasked kernel at most 64 registers up to K = 6 (4 blocks of 256 threads per SM); left free,
-// it gave the masked one 72-80 (3 blocks): the few values it holds beyond the unmasked kernel's
-// (the item's flags and row, for the masked segments after the loop) tip it over. Capped, it
-// spills only around uniform_segments and in the masked segments (a few words per item), and its
-// loop over the uniform segments keeps the unmasked kernel's occupancy. An explicit 1 for the
-// unmasked kernel would change its code: ptxas picks registers differently with any bound.
-template <int K, bool kMasked>
+// Blocks of kChannelFirstThreads per SM the channel-first forward's registers must allow (0: no
+// bound). Left free, ptxas gave the masked kernel 72-80 registers (6 blocks of 128): the few
+// values it holds beyond the unmasked kernel's (the item's flags and row, for the masked segments
+// after the loop) tip it over. Capped at 8 blocks, it spills only around uniform_segments and in
+// the masked segments (a few words per item), and its loop over the uniform segments keeps the
+// unmasked kernel's occupancy.
+//
+// Unmasked 16-bit kernels up to K = 4 ask for 9 blocks (56 registers, no spills): on the main
+// workload that took 81.5 us against 85.3 with 4 blocks of 256 (63 registers). The other unmasked
+// kernels are left free (56-72 registers: 7-9 blocks); with 9 blocks float32 K = 4 spilled 36
+// bytes and every K >= 6 spilled 12-64. Any bound changes the code ptxas picks, so none is set
+// where it would not raise the occupancy.
+template <typename T, int K, bool kMasked>
 constexpr int channel_first_forward_min_blocks() {
-  return kMasked && K <= 6 ? 4 : 0;
+  if constexpr (kMasked) return K <= 6 ? 8 : 0;
+  return sizeof(T) == 2 && K <= 4 ? 9 : 0;
 }
 
 // (B, D, L), L a multiple of the pack V: a warp streams chunk_len times of one (b, d) row, lane l
@@ -150,7 +156,8 @@ constexpr int channel_first_forward_min_blocks() {
 // kernel's 63, and ptxas recomputed addresses in the loop to make room (162 instructions per
 // uniform segment against 138; now 150).
 template <typename T, int K, bool kMasked>
-__global__ void __launch_bounds__(kThreads, channel_first_forward_min_blocks<K, kMasked>())
+__global__ void
+__launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, kMasked>())
     forward_channel_first_kernel(ConvParams p, int64_t chunk_len) {
   constexpr int V = kPack<T>;
   constexpr int P = K - 1;
