@@ -246,68 +246,35 @@ template <typename T, int K>
 __global__ void __launch_bounds__(kThreads) forward_short_rows_kernel(ConvParams p, int group) {
   constexpr int V = kPack<T>;
   constexpr int P = K - 1;
-  constexpr int kCarryLanes = (P + V - 1) / V;  // lanes of a group whose halo reaches before t = 0
   const Conv<T, float, K> conv{p};
-  const int lane = threadIdx.x % kLanes;
-  const int g = lane % group;
-  const int rows_per_item = kLanes / group;
-  const int64_t rows = p.batch * p.channels;
-  const int64_t t0 = int64_t{g} * V;
-  const bool in_row = t0 < p.length;
-  const int64_t first_item = blockIdx.x * int64_t{blockDim.x / kLanes} + threadIdx.x / kLanes;
-  const int64_t items_step = int64_t{gridDim.x} * (blockDim.x / kLanes);
-  ShortRowCursor cursor(first_item * rows_per_item + lane / group, items_step * rows_per_item,
-                        p.channels);
-  const int64_t batch_per_group = p.batch / p.groups;
-  const T* x = static_cast<const T*>(p.x) + t0;  // + row * L: the lane's pack of a row
+  const ShortRowLane<V> at(p, group);
+  ShortRowCursor cursor = at.cursor(group, p.channels);
+  const T* x = static_cast<const T*>(p.x) + at.t0;  // + row * L: the lane's pack of a row
   const auto fetch = [&](int64_t row) {
-    return load_readonly_or_zero<T, V>(x + row * p.length, in_row && row < rows);
+    return load_readonly_or_zero<T, V>(x + row * p.length, at.in_row && row < at.rows);
   };
   RawFor<T, V> ahead[kShortForwardAhead];  // the lane's packs of its next rows
   for (int a = 0; a < kShortForwardAhead; ++a) ahead[a] = fetch(cursor.row + a * cursor.stride);
-  for (int64_t item = first_item; item * rows_per_item < rows; item += items_step) {
-    const bool row_live = cursor.row < rows, live = in_row && row_live;
+  for (int64_t item = at.first_item; item * at.rows_per_item < at.rows; item += at.items_step) {
+    const bool row_live = cursor.row < at.rows, live = at.in_row && row_live;
     const int64_t b = row_live ? cursor.b : 0, d = row_live ? cursor.d : 0;  // loads stay in range
     float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}
-    float(&own)[V] = reinterpret_cast<float(&)[V]>(xs[P]);
-    to_floats(from_raw<T, V>(ahead[0]), own);
+    to_floats(from_raw<T, V>(ahead[0]), reinterpret_cast<float(&)[V]>(xs[P]));
     for (int a = 0; a + 1 < kShortForwardAhead; ++a) ahead[a] = ahead[a + 1];
     ahead[kShortForwardAhead - 1] = fetch(cursor.row + kShortForwardAhead * cursor.stride);
     float w[K][1], bias[1];
-    load_row_weights(conv, b, d, batch_per_group, w, bias);
-    ChannelFirstCarry<K> before;  // the initial state (or zeros), for the lanes that reach it
-    const T* state_row = p.initial_state == nullptr || g >= kCarryLanes
-                             ? nullptr
-                             : static_cast<const T*>(p.initial_state) + (b * p.channels + d) * P;
-    before.load(x, state_row, 0);
-    halo_before<P, V>(own, before.x, g, reinterpret_cast<float(&)[P]>(xs[0]), group);
+    short_row_window(conv, at, group, b, d, x, xs, w, bias);
     float out[V];
-    bool masked = false;
     int32_t segments[P + V];  // with seq_idx: the entry of xs[j]
-    if (p.seq_idx != nullptr) {
-      const int32_t* segment_row = p.seq_idx + b * p.length;
-      int32_t(&own_segments)[V] = reinterpret_cast<int32_t(&)[V]>(segments[P]);
-      load_segments(segment_row + t0, live, own_segments);
-      int32_t differ = 0;
-      for (int v = 1; v < V; ++v) differ |= own_segments[v] ^ own_segments[0];
-      const int32_t earlier = __shfl_up_sync(kFullWarp, own_segments[V - 1], 1, group);
-      const bool uniform = !live || (own_segments[0] >= 0 && differ == 0 &&
-                                     (g == 0 || own_segments[0] == earlier));
-      masked = !__all_sync(kFullWarp, uniform);
-      if (masked) {
-        int32_t first[P];  // seg(u) for u < 0: the row's first entry
-        const int32_t row_first = __shfl_sync(kFullWarp, own_segments[0], 0, group);
-        for (int j = 0; j < P; ++j) first[j] = row_first;
-        halo_before<P, V>(own_segments, first, g, reinterpret_cast<int32_t(&)[P]>(segments[0]),
-                          group);
-      }
-    }
+    const bool masked =
+        p.seq_idx != nullptr && short_row_segments<V, P>(p.seq_idx + b * p.length, at, group, live,
+                                                         segments);
     if (masked) {
       channel_first_outputs<true>(w, bias[0], xs, segments, p.silu, out);
     } else {
       channel_first_outputs<false>(w, bias[0], xs, nullptr, p.silu, out);
     }
-    if (live) store_vec(static_cast<T*>(p.y) + cursor.row * p.length + t0, from_floats<T, V>(out));
+    if (live) store_vec(static_cast<T*>(p.y) + cursor.row * p.length + at.t0, from_floats<T, V>(out));
     cursor.advance(p.channels);
   }
 }
