@@ -130,8 +130,11 @@ class DecodeCase:
         return item * (2 * self.B * self.D + 2 * self.B * (self.K - 1) * self.D)
 
 
-def select_cases(groups, layouts, quick: bool):
-    """The prefill and decode cases of the chosen groups and layouts, in order, no duplicates."""
+def select_cases(groups, layouts, quick: bool, widths=tuple(range(2, 9))):
+    """The prefill and decode cases of the chosen groups and layouts, in order, no duplicates.
+
+    widths: the K values of the widths group.
+    """
     if quick:
         B, L, D, K = 2, 64, 32, 4
         shapes = [(4, 16, D), (1, 512, D), (B, L, 8), (B, L, 64)]
@@ -149,7 +152,7 @@ def select_cases(groups, layouts, quick: bool):
             prefill += [Case(B, L, D, K, dtype=dt, layout=lay)
                         for dt in ("float32", "float16") for lay in layouts]
         elif group == "widths":
-            prefill += [Case(B, L, D, k, layout=lay) for k in range(2, 9) for lay in layouts]
+            prefill += [Case(B, L, D, k, layout=lay) for k in widths for lay in layouts]
         elif group == "shapes":
             prefill += [Case(b, l, d, K, layout=lay) for b, l, d in shapes for lay in layouts]
         elif group == "features":
@@ -856,6 +859,8 @@ def parse_args(argv=None):
                    help="comma-separated implementations (default: all)")
     p.add_argument("--layouts", default=None,
                    help="comma-separated layouts (default BLD,BDL; BLD in --quick)")
+    p.add_argument("--widths", default="2,3,4,5,6,7,8",
+                   help="comma-separated K values of the widths group (default 2 to 8)")
     p.add_argument("--out", default=None, help="folder for bench.md, bench.png and bench.json")
     p.add_argument("--quick", action="store_true",
                    help="tiny shapes and few repetitions: a CPU smoke run in seconds")
@@ -886,6 +891,13 @@ def parse_args(argv=None):
     bad = [lay for lay in args.layouts if lay not in ("BLD", "BDL")]
     if bad:
         p.error(f"unknown layout(s) {bad}; choose from BLD, BDL")
+    try:
+        args.widths = tuple(int(k) for k in args.widths.split(",") if k)
+    except ValueError:
+        p.error(f"--widths takes comma-separated integers, got {args.widths!r}")
+    bad = [k for k in args.widths if k < 1]
+    if bad or not args.widths:
+        p.error(f"--widths needs kernel widths >= 1, got {args.widths!r}")
     args.reps = args.reps or (3 if args.quick else 20)
     args.min_time = args.min_time or (0.002 if args.quick else 0.02)
     return args
@@ -899,7 +911,7 @@ def main(argv=None) -> int:
     on_gpu = jax.devices()[0].platform == "gpu"
     log(f"bench: {env}; groups {','.join(args.groups)}; reps {args.reps}, "
         f"min time {args.min_time * 1e3:g} ms, primary {args.primary}")
-    prefill_cases, decode_cases, base = select_cases(args.groups, args.layouts, args.quick)
+    prefill_cases, decode_cases, base = select_cases(args.groups, args.layouts, args.quick, args.widths)
     prefill, decode, notes, warn = {}, {}, [], []
     t_start = time.perf_counter()
     for case in prefill_cases:

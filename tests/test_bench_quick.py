@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
 
 
@@ -88,3 +90,24 @@ def test_targets_take_the_loop_where_the_queue_is_host_bound():
     assert rows[(small.name, "time / copy within 15%", "bwd")] == ("loop", 2.0)
     # ours' loop failed the audit: the queue for the whole case, though its copy looks host-bound
     assert rows[(audited.name, "time / copy within 15%", "fwd")] == ("queue", round(300 / 260, 2))
+
+
+def test_widths_option_selects_the_widths_group():
+    bench = load_bench()
+    args = bench.parse_args(["--cases", "widths", "--widths", "5,7", "--layouts", "BDL"])
+    prefill, decode, _ = bench.select_cases(args.groups, args.layouts, args.quick, args.widths)
+    assert [(c.K, c.layout) for c in prefill] == [(5, "BDL"), (7, "BDL")]
+    assert decode == []
+    default = bench.parse_args(["--cases", "widths"])
+    prefill, _, _ = bench.select_cases(default.groups, default.layouts, default.quick,
+                                       default.widths)
+    assert sorted({c.K for c in prefill}) == list(range(2, 9))
+
+
+def test_widths_option_rejects_bad_values(capsys):
+    bench = load_bench()
+    for bad in ("4,x", "0", ","):
+        with pytest.raises(SystemExit) as exc:
+            bench.parse_args(["--widths", bad])
+        assert exc.value.code == 2
+        assert "--widths" in capsys.readouterr().err
