@@ -191,7 +191,8 @@ constexpr int channel_first_backward_min_blocks() {
 // halos from higher lanes or the next segment). dw/db stay in registers until the chunk ends, then
 // one fixed shuffle tree sums them into partials[b, chunk, d, 0..K]. A chunk that ends before the
 // row does computes the first P deltas after it again (they belong to the next chunk). With
-// seq_idx, the uniform segments run the unmasked arithmetic; the others load their seq_idx entries.
+// seq_idx, a warp item takes kUniformChannels channels, whose uniform segments it finds once; those
+// run the unmasked arithmetic, the others load their seq_idx entries.
 template <typename T, int K, bool kMasked>
 __global__ void
 __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, kMasked>())
@@ -201,12 +202,14 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
   constexpr int64_t kSegment = kLanes * V;
   const Conv<T, float, K> conv{p};
   const int lane = threadIdx.x % kLanes;
+  constexpr int G = channels_per_item<kMasked>();
   const int64_t chunks = (p.length + chunk_len - 1) / chunk_len;
-  const int64_t items = p.batch * p.channels * chunks;
-  const int64_t warps_per_grid = int64_t{gridDim.x} * (blockDim.x / kLanes);
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x / kLanes} + threadIdx.x / kLanes;
-       i < items; i += warps_per_grid) {
-    const ChannelFirstItem item(i, chunks, chunk_len, p);
+  const int64_t items = p.batch * ((p.channels + G - 1) / G) * chunks;
+  // The item's channel `item` (times [c0, c1)). Bit 0 of uniform.before: whether the next segment
+  // that segment_delta takes is uniform for its deltas; of uniform.after, whether the next segment
+  // that segment_dx takes is for its dx. They take the segments below loaded_end and c1: the
+  // launcher makes that at most kUniformSegments (the bits past those are 0, the segments masked).
+  const auto run = [&](const ChannelFirstItem& item, UniformSegments uniform) {
     // Times this item loads: its own, and the P after them that the dx of its last times needs.
     const int64_t loaded_end = std::min(item.c1 + P, p.length);
     const T* x_row = static_cast<const T*>(p.x) + item.row * p.length;
@@ -227,16 +230,6 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
       dy_pack = load_readonly_or_zero<T, V>(dy_row + t0, t0 < loaded_end);
     };
     for (int a = 0; a < kBackwardAhead; ++a) fetch(item.c0 + a * kSegment, x_ahead[a], dy_ahead[a]);
-    // Bit 0 of uniform.before: whether the next segment that segment_delta takes is uniform for
-    // its deltas; of uniform.after, whether the next segment that segment_dx takes is for its dx.
-    // They take the segments below loaded_end and c1: the launcher makes that at most
-    // kUniformSegments (the bits past those are 0, the segments masked).
-    UniformSegments uniform{0, 0};
-    if (kMasked) {
-      const int count = static_cast<int>(
-          std::min<int64_t>(kUniformSegments, (loaded_end - item.c0 + kSegment - 1) / kSegment));
-      uniform = uniform_segments<V, P>(segment_row, item.c0, count, p.length, lane);
-    }
 
     // Called for segments c0, c0 + kSegment, ... in order, every one below loaded_end; interior
     // (std::true_type) when every time of the segment exists and is the item's own.
@@ -371,6 +364,22 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
     if (lane == 0) {
       float* out = partials + ((item.b * item.chunks + item.chunk) * p.channels + item.d) * (K + 1);
       for (int k = 0; k <= K; ++k) out[k] = dw[k];
+    }
+  };
+  const int64_t warps_per_grid = int64_t{gridDim.x} * (blockDim.x / kLanes);
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x / kLanes} + threadIdx.x / kLanes;
+       i < items; i += warps_per_grid) {
+    if constexpr (G == 1) {
+      run(ChannelFirstItem(i, chunks, chunk_len, p), UniformSegments{0, 0});
+    } else {
+      const ChannelFirstItem first(i, chunks, chunk_len, p, G);
+      const int64_t loaded_end = std::min(first.c1 + P, p.length);
+      const int count = static_cast<int>(
+          std::min<int64_t>(kUniformSegments, (loaded_end - first.c0 + kSegment - 1) / kSegment));
+      const UniformSegments uniform =
+          uniform_segments<V, P>(p.seq_idx + first.b * p.length, first.c0, count, p.length, lane);
+      const int channels = static_cast<int>(std::min<int64_t>(G, p.channels - first.d));
+      for (int g = 0; g < channels; ++g) run(first.channel(g), uniform);
     }
   }
 }

@@ -249,6 +249,25 @@ struct ChannelFirstItem {
                                               const ConvParams& p)
       : chunks(chunks), chunk(item % chunks), row(item / chunks), b(row / p.channels),
         d(row % p.channels), c0(chunk * chunk_len), c1(std::min(c0 + chunk_len, p.length)) {}
+
+  // The first channel of item `item` of a kernel whose items take `channels` consecutive channels
+  // of one (b, chunk) each (the last item of a batch row fewer, when D is not a multiple).
+  __device__ __forceinline__ ChannelFirstItem(int64_t item, int64_t chunks, int64_t chunk_len,
+                                              const ConvParams& p, int channels)
+      : ChannelFirstItem(item, chunks, chunk_len, p) {
+    const int64_t groups = (p.channels + channels - 1) / channels;
+    b = row / groups;
+    d = row % groups * channels;
+    row = b * p.channels + d;
+  }
+
+  // The same times of channel d + offset.
+  __device__ __forceinline__ ChannelFirstItem channel(int offset) const {
+    ChannelFirstItem other = *this;
+    other.d += offset;
+    other.row += offset;
+    return other;
+  }
 };
 
 // Lane l holds times [s + l V, s + (l + 1) V) of segment s in own[]. Every lane must call these
@@ -348,6 +367,17 @@ __device__ __forceinline__ float channel_first_pre_activation(const float (&w)[K
 // most kUniformSegments segments) before its first segment runs: its loads then wait behind the
 // item's x loads in flight rather than stall each segment.
 constexpr int kUniformSegments = 32;  // the bits of uniform_segments' masks
+
+// With seq_idx, a warp item takes kUniformChannels consecutive channels of one batch row and
+// chunk: uniform_segments' masks depend on the row's entries and the times only, so the warp finds
+// them once for all its channels. The check costs about 100 instructions per segment against about
+// 150 for a uniform segment's outputs (SASS, bf16 K = 4), and it reads the row's entries (twice
+// the bytes of bf16 x) once per item; without the sharing, every channel paid both.
+constexpr int kUniformChannels = 4;
+template <bool kMasked>
+constexpr int channels_per_item() {
+  return kMasked ? kUniformChannels : 1;
+}
 
 // The seq_idx entries of times [t0 - B, t0 + V + A) of a row as the masks read them (DESIGN.md
 // section 2): seg(u) = the row's first entry for u < 0 (the initial state belongs to the row's

@@ -288,7 +288,9 @@ void launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
     const int64_t chunk_len =
         channel_first_chunk(p.batch * p.channels, p.length, kLanes * kPack<T>, kForwardRowItems,
                             forward_item_segments<kMasked>());
-    const int64_t items = p.batch * p.channels * ((p.length + chunk_len - 1) / chunk_len);
+    constexpr int G = channels_per_item<kMasked>();
+    const int64_t items =
+        p.batch * ((p.channels + G - 1) / G) * ((p.length + chunk_len - 1) / chunk_len);
     forward_channel_first_kernel<T, K, kMasked>
         <<<grid_for_warps(items), kChannelFirstThreads, 0, stream>>>(p, chunk_len);
   }
@@ -319,9 +321,10 @@ int64_t launch_vector_backward(cudaStream_t stream, const ConvParams& p, float* 
       channel_first_chunk(p.batch * p.channels, p.length, kLanes * kPack<T>, kBackwardRowItems,
                           backward_item_segments<kMasked>());
   const int64_t chunks = (p.length + chunk_len - 1) / chunk_len;
+  constexpr int G = channels_per_item<kMasked>();
+  const int64_t items = p.batch * ((p.channels + G - 1) / G) * chunks;
   backward_channel_first_kernel<T, K, kMasked>
-      <<<grid_for_warps(p.batch * p.channels * chunks), kChannelFirstThreads, 0, stream>>>(
-          p, partials, chunk_len);
+      <<<grid_for_warps(items), kChannelFirstThreads, 0, stream>>>(p, partials, chunk_len);
   return chunks;
 }
 

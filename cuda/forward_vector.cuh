@@ -148,13 +148,14 @@ constexpr int channel_first_forward_min_blocks() {
 // owning V consecutive times of each 32 V-time segment; the K-1 inputs before a lane's pack come
 // from its lower neighbours by shuffle. The next kForwardAhead segments' packs are in flight.
 //
-// With seq_idx (items of at most kUniformSegments segments), the uniform segments run in that
-// loop with the unmasked arithmetic; the others only pass their inputs on to the carry there, and
-// run after it with seq_idx's masks, their packs and halos loaded again. Kept out of the loop, the
-// masked arithmetic (the entries, their compares and the selects) adds nothing to the registers
-// the loop holds: inside it (bf16, K = 4), the kernel took 80 registers against the unmasked
-// kernel's 63, and ptxas recomputed addresses in the loop to make room (162 instructions per
-// uniform segment against 138; now 150).
+// With seq_idx (items of at most kUniformSegments segments and of kUniformChannels channels, whose
+// uniform segments the warp finds once), the uniform segments run in that loop with the unmasked
+// arithmetic; the others only pass their inputs on to the carry there, and run after it with
+// seq_idx's masks, their packs and halos loaded again. Kept out of the loop, the masked arithmetic
+// (the entries, their compares and the selects) adds nothing to the registers the loop holds:
+// inside it (bf16, K = 4), the kernel took 80 registers against the unmasked kernel's 63, and
+// ptxas recomputed addresses in the loop to make room (162 instructions per uniform segment
+// against 138; now 150).
 template <typename T, int K, bool kMasked>
 __global__ void
 __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, kMasked>())
@@ -164,36 +165,24 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
   constexpr int64_t kSegment = kLanes * V;
   const Conv<T, float, K> conv{p};
   const int lane = threadIdx.x % kLanes;
+  constexpr int G = channels_per_item<kMasked>();
   const int64_t chunks = (p.length + chunk_len - 1) / chunk_len;
-  const int64_t items = p.batch * p.channels * chunks;
-  const int64_t warps_per_grid = int64_t{gridDim.x} * (blockDim.x / kLanes);
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x / kLanes} + threadIdx.x / kLanes;
-       i < items; i += warps_per_grid) {
-    const ChannelFirstItem item(i, chunks, chunk_len, p);
+  const int64_t items = p.batch * ((p.channels + G - 1) / G) * chunks;
+  // The item's channel `item` (times [c0, c1)); uniform: bit j, whether the item's segment j is
+  // uniform (none past the first kUniformSegments).
+  const auto run = [&](const ChannelFirstItem& item, uint32_t uniform) {
     const T* x_row = static_cast<const T*>(p.x) + item.row * p.length;
     T* y_row = static_cast<T*>(p.y) + item.row * p.length;
     const int32_t* segment_row = kMasked ? p.seq_idx + item.b * p.length : nullptr;
     float w[K][1], bias[1];
+    load_weights(conv, item.b, item.d, w, bias);
     ChannelFirstCarry<K> carry;
-    const auto load_weights_and_carry = [&] {
-      load_weights(conv, item.b, item.d, w, bias);
-      carry.load(conv, item.b, item.c0, item.d);
-    };
-    // With seq_idx, after uniform_segments: they would hold registers across it.
-    if (!kMasked) load_weights_and_carry();
+    carry.load(conv, item.b, item.c0, item.d);
     // The lane's packs of the next kAhead segments, loaded before they are needed.
     RawFor<T, V> ahead[kForwardAhead];
     for (int a = 0; a < kForwardAhead; ++a) {
       const int64_t t = item.c0 + a * kSegment + lane * V;
       ahead[a] = load_readonly_or_zero<T, V>(x_row + t, t < item.c1);
-    }
-    // Bit j: whether the item's segment j is uniform (none past the first kUniformSegments).
-    uint32_t uniform = 0;
-    if (kMasked) {
-      const int count = static_cast<int>(
-          std::min<int64_t>(kUniformSegments, (item.c1 - item.c0 + kSegment - 1) / kSegment));
-      uniform = uniform_segments<V, P>(segment_row, item.c0, count, p.length, lane).before;
-      load_weights_and_carry();
     }
     uint32_t next_uniform = uniform;  // bit 0: the next segment's
     for (int64_t s = item.c0; s < item.c1; s += kSegment) {
@@ -230,6 +219,22 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
         channel_first_outputs<true>(w, bias[0], xs, segments, p.silu, out);
         if (live) store_vec(y_row + t0, from_floats<T, V>(out));
       }
+    }
+  };
+  const int64_t warps_per_grid = int64_t{gridDim.x} * (blockDim.x / kLanes);
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x / kLanes} + threadIdx.x / kLanes;
+       i < items; i += warps_per_grid) {
+    if constexpr (G == 1) {
+      run(ChannelFirstItem(i, chunks, chunk_len, p), 0);
+    } else {
+      const ChannelFirstItem first(i, chunks, chunk_len, p, G);
+      const int count = static_cast<int>(
+          std::min<int64_t>(kUniformSegments, (first.c1 - first.c0 + kSegment - 1) / kSegment));
+      const uint32_t uniform =
+          uniform_segments<V, P>(p.seq_idx + first.b * p.length, first.c0, count, p.length, lane)
+              .before;
+      const int channels = static_cast<int>(std::min<int64_t>(G, p.channels - first.d));
+      for (int g = 0; g < channels; ++g) run(first.channel(g), uniform);
     }
   }
 }
