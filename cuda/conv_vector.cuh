@@ -410,6 +410,15 @@ struct UniformSegments {
   uint32_t after;   // bit j: over [s_j, s_j + 32 V + P), the outputs whose taps are its times
 };
 
+// Whether a lane's pack of seq_idx entries is one id >= 0 throughout (the callers also compare it
+// with the entry of the time before the pack).
+template <int V>
+__device__ __forceinline__ bool pack_is_uniform(const int32_t (&own)[V]) {
+  int32_t differ = 0;  // a bit set where an entry differs from own[0]: three-input LOP3s
+  for (int v = 1; v < V; ++v) differ |= own[v] ^ own[0];
+  return own[0] >= 0 && differ == 0;
+}
+
 // UniformSegments for count <= kUniformSegments segments from s (s_j < length for j < count). Per
 // segment, lane l checks its pack and that it continues the time before it (lane l - 1's last, for
 // lane 0 the previous segment's), and a ballot gathers the lanes; lane j keeps segment j's
@@ -443,9 +452,7 @@ __device__ UniformSegments uniform_segments(const int32_t* row, int64_t s, int c
     const bool exists = j + 1 < count || lane * V < last_in_row;
     int32_t own[V];  // a pack past the row's end loads the row's first instead: it is not checked
     load_segments(exists ? pack : row, true, own);
-    int32_t differ = 0;  // a bit set where an entry differs from own[0]: three-input LOP3s
-    for (int v = 1; v < V; ++v) differ |= own[v] ^ own[0];
-    bool ok = own[0] >= 0 && differ == 0;
+    bool ok = pack_is_uniform(own);
     // Lane l gets lane l - 1's last entry; lane 0 gets lane 31's, the time before the next segment.
     const int32_t rotated = __shfl_sync(kFullWarp, own[V - 1], (lane + kLanes - 1) % kLanes);
     ok = ok && own[0] == (lane == 0 ? previous : rotated);
@@ -592,10 +599,9 @@ __device__ __forceinline__ bool short_row_segments(const int32_t* row, const Sho
   static_assert(N >= P + V, "segments holds the P times before and the lane's V");
   int32_t(&own)[V] = reinterpret_cast<int32_t(&)[V]>(segments[P]);
   load_segments(row + at.t0, live, own);
-  int32_t differ = 0;
-  for (int v = 1; v < V; ++v) differ |= own[v] ^ own[0];
+  const bool one_id = pack_is_uniform(own);
   const int32_t earlier = __shfl_up_sync(kFullWarp, own[V - 1], 1, group);
-  const bool uniform = !live || (own[0] >= 0 && differ == 0 && (at.g == 0 || own[0] == earlier));
+  const bool uniform = !live || (one_id && (at.g == 0 || own[0] == earlier));
   const bool masked = !__all_sync(kFullWarp, uniform);
   if (masked) {
     int32_t first[P];  // seg(u) for u < 0: the row's first entry
