@@ -4,8 +4,11 @@ Covers both layouts, seq_idx cases with padding (one boundary, or many so that k
 the boundary tests inside a segment take both paths), an L < K-1 case with states, a long
 generic-K case, channel-first rows long and many enough for the backward's edge-free segments,
 short channel-first rows of a few packs, and checks each result against the reference so a wrong
-answer also fails the run.
+answer also fails the run. Each printed line starts with the case's index; `--start N` runs the
+cases from index N on (scripts/gpu_check.sh resumes with it after a sanitizer crash).
 """
+
+import argparse
 
 import jax
 
@@ -45,9 +48,18 @@ CASES = [
 ]
 
 
-def main():
-    rng = np.random.default_rng(0)
-    for batch, length, channels, width, layout, dtype, segments, with_state in CASES:
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--start", type=int, default=0,
+                        help="index of the first case to run (to resume after a sanitizer crash)")
+    args = parser.parse_args(argv)
+    if not 0 <= args.start <= len(CASES):
+        parser.error(f"--start must be in [0, {len(CASES)}], got {args.start}")
+    print(f"cases {args.start} to {len(CASES) - 1} of {len(CASES)} cases", flush=True)
+    for index in range(args.start, len(CASES)):
+        batch, length, channels, width, layout, dtype, segments, with_state = CASES[index]
+        # Per case, so that a resumed run gives each case the inputs of a whole run.
+        rng = np.random.default_rng(index)
         x_shape = (batch, length, channels) if layout == "BLD" else (batch, channels, length)
         s_shape = (batch, width - 1, channels) if layout == "BLD" else (batch, channels, width - 1)
         x = jnp.asarray(rng.standard_normal(x_shape), dtype)
@@ -76,8 +88,8 @@ def main():
         tol = {jnp.float32: 1e-5, jnp.float64: 1e-12, jnp.float16: 2e-3, jnp.bfloat16: 1e-2}[dtype]
         # Low-precision x rounds y before the loss, so allow the dtype's tolerance only.
         status = "ok" if max(errs) <= max(tol, 1e-5) * 10 else "MISMATCH"
-        print(batch, length, channels, width, layout, jnp.dtype(dtype).name, segments, with_state,
-              ["%.1e" % e for e in errs], status)
+        print(index, batch, length, channels, width, layout, jnp.dtype(dtype).name, segments,
+              with_state, ["%.1e" % e for e in errs], status, flush=True)
         if status != "ok":
             raise SystemExit(1)
 
