@@ -111,3 +111,21 @@ def test_widths_option_rejects_bad_values(capsys):
             bench.parse_args(["--widths", bad])
         assert exc.value.code == 2
         assert "--widths" in capsys.readouterr().err
+
+
+def test_consistency_note_flags_a_disturbed_median():
+    bench = load_bench()
+    T = bench.Timing
+
+    def results(fwd, bwd, both):
+        return {("ours", "fwd"): T(queue_us=fwd), ("ours", "bwd"): T(queue_us=bwd),
+                ("ours", "fwd+bwd"): T(queue_us=both), ("copy", "fwd"): T(queue_us=68.0)}
+
+    # the seventh session's BDL K=3 forward: 132.8 us, while fwd+bwd - bwd gave 77.6
+    note = bench.consistency_note(results(132.8, 144.3, 221.9))
+    assert "132.8" in note and "221.9" in note and "again" in note
+    assert bench.consistency_note(results(77.9, 123.5, 200.2)) == ""  # the main workload
+    assert bench.consistency_note(results(50.0, 100.0, 180.0)) != ""  # too slow a fwd+bwd
+    partial = results(77.9, 123.5, 200.2)
+    del partial[("ours", "bwd")]
+    assert bench.consistency_note(partial) == ""
