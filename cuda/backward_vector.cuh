@@ -204,7 +204,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
   const int lane = threadIdx.x % kLanes;
   constexpr int G = channels_per_item<kMasked>();
   const int64_t chunks = (p.length + chunk_len - 1) / chunk_len;
-  const int64_t items = p.batch * ((p.channels + G - 1) / G) * chunks;
+  const int64_t items = channel_first_items<kMasked>(p, chunks);
   // The item's channel `item` (times [c0, c1)). Bit 0 of uniform.before: whether the next segment
   // that segment_delta takes is uniform for its deltas; of uniform.after, whether the next segment
   // that segment_dx takes is for its dx. They take the segments below loaded_end and c1: the

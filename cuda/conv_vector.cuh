@@ -379,6 +379,14 @@ constexpr int channels_per_item() {
   return kMasked ? kUniformChannels : 1;
 }
 
+// The warp items of a channel-first kernel with rows cut into `chunks` chunks.
+template <bool kMasked>
+__host__ __device__ __forceinline__ int64_t channel_first_items(const ConvParams& p,
+                                                                int64_t chunks) {
+  constexpr int G = channels_per_item<kMasked>();
+  return p.batch * ((p.channels + G - 1) / G) * chunks;
+}
+
 // The seq_idx entries of times [t0 - B, t0 + V + A) of a row as the masks read them (DESIGN.md
 // section 2): seg(u) = the row's first entry for u < 0 (the initial state belongs to the row's
 // first segment), -1 (no time: no tap reads it, no output is kept) for u >= length. t0 and length

@@ -288,9 +288,7 @@ void launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
     const int64_t chunk_len =
         channel_first_chunk(p.batch * p.channels, p.length, kLanes * kPack<T>, kForwardRowItems,
                             forward_item_segments<kMasked>());
-    constexpr int G = channels_per_item<kMasked>();
-    const int64_t items =
-        p.batch * ((p.channels + G - 1) / G) * ((p.length + chunk_len - 1) / chunk_len);
+    const int64_t items = channel_first_items<kMasked>(p, (p.length + chunk_len - 1) / chunk_len);
     forward_channel_first_kernel<T, K, kMasked>
         <<<grid_for_warps(items), kChannelFirstThreads, 0, stream>>>(p, chunk_len);
   }
@@ -321,8 +319,7 @@ int64_t launch_vector_backward(cudaStream_t stream, const ConvParams& p, float* 
       channel_first_chunk(p.batch * p.channels, p.length, kLanes * kPack<T>, kBackwardRowItems,
                           backward_item_segments<kMasked>());
   const int64_t chunks = (p.length + chunk_len - 1) / chunk_len;
-  constexpr int G = channels_per_item<kMasked>();
-  const int64_t items = p.batch * ((p.channels + G - 1) / G) * chunks;
+  const int64_t items = channel_first_items<kMasked>(p, chunks);
   backward_channel_first_kernel<T, K, kMasked>
       <<<grid_for_warps(items), kChannelFirstThreads, 0, stream>>>(p, partials, chunk_len);
   return chunks;

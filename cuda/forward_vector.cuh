@@ -167,7 +167,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
   const int lane = threadIdx.x % kLanes;
   constexpr int G = channels_per_item<kMasked>();
   const int64_t chunks = (p.length + chunk_len - 1) / chunk_len;
-  const int64_t items = p.batch * ((p.channels + G - 1) / G) * chunks;
+  const int64_t items = channel_first_items<kMasked>(p, chunks);
   // The item's channel `item` (times [c0, c1)); uniform: bit j, whether the item's segment j is
   // uniform (none past the first kUniformSegments).
   const auto run = [&](const ChannelFirstItem& item, uint32_t uniform) {
