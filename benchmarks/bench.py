@@ -468,6 +468,15 @@ def n_input_sets(bytes_per_call: int, l2_bytes: int, quick: bool) -> int:
     return int(min(16, max(3, math.ceil(3 * l2_bytes / max(bytes_per_call, 1)))))
 
 
+def make_params(rng, case, param_dtype: Optional[str] = None):
+    """Weight (D, K) and bias (D,) of a prefill or decode case, drawn from rng, in param_dtype or
+    in x's dtype when it is None."""
+    params = jnp.dtype(param_dtype or case.dtype)
+    w = jnp.asarray(rng.uniform(-1, 1, (case.D, case.K)) / math.sqrt(case.K), params)
+    b = jnp.asarray(rng.uniform(-0.5, 0.5, (case.D,)), params)
+    return w, b
+
+
 def make_inputs(case: Case, n_sets: int, seed: int = 0, param_dtype: Optional[str] = None):
     """n_sets tuples (x, w, b, s0, seq, dy, dF); w and b (and seq_idx) shared by all sets.
 
@@ -475,9 +484,7 @@ def make_inputs(case: Case, n_sets: int, seed: int = 0, param_dtype: Optional[st
     """
     rng = np.random.default_rng(seed)
     dtype = jnp.dtype(case.dtype)
-    params = jnp.dtype(param_dtype or case.dtype)
-    w = jnp.asarray(rng.uniform(-1, 1, (case.D, case.K)) / math.sqrt(case.K), params)
-    b = jnp.asarray(rng.uniform(-0.5, 0.5, (case.D,)), params)
+    w, b = make_params(rng, case, param_dtype)
     seq = None
     if case.features:
         # four segments per row at random boundaries
@@ -593,9 +600,7 @@ def make_decode_inputs(case: DecodeCase, n_sets: int, seed: int = 0,
     """n_sets tokens x and states, and the shared weight and bias (in param_dtype, or x's)."""
     rng = np.random.default_rng(seed)
     dtype = jnp.dtype(case.dtype)
-    params = jnp.dtype(param_dtype or case.dtype)
-    w = jnp.asarray(rng.uniform(-1, 1, (case.D, case.K)) / math.sqrt(case.K), params)
-    b = jnp.asarray(rng.uniform(-0.5, 0.5, (case.D,)), params)
+    w, b = make_params(rng, case, param_dtype)
     key = jax.random.PRNGKey(seed)
     xs, states = [], []
     for _ in range(n_sets):

@@ -35,19 +35,25 @@ constexpr int channels_per_thread() {
   return c;
 }
 
-// The K weights and the bias of channels d0 .. d0 + C - 1 for batch row b, as floats (stored in
-// float or in T: with_param_type picks which once, around all the loads).
-template <typename T, int K, int C>
-__device__ __forceinline__ void load_weights(const Conv<T, float, K>& conv, int64_t b, int64_t d0,
-                                             float (&w)[K][C], float (&bias)[C]) {
-  const ConvParams& p = conv.p;
+// The K weights and the bias of params row row_of(c) (a Conv::param_row) into column c, as floats
+// (stored in float or in T: with_param_type picks which once, around all the loads).
+template <typename T, int K, int C, typename RowOf>
+__device__ __forceinline__ void load_param_rows(const ConvParams& p, const RowOf& row_of,
+                                                float (&w)[K][C], float (&bias)[C]) {
   with_param_type<T, float>(p.params_like_x, [&](auto like_x) {
     for (int c = 0; c < C; ++c) {
-      const int64_t row = conv.param_row(b, d0 + c);
+      const int64_t row = row_of(c);
       for (int k = 0; k < K; ++k) w[k][c] = load_param<T, float>(p.weight, row * K + k, like_x);
       bias[c] = p.bias ? load_param<T, float>(p.bias, row, like_x) : 0.0f;
     }
   });
+}
+
+// The K weights and the bias of channels d0 .. d0 + C - 1 for batch row b.
+template <typename T, int K, int C>
+__device__ __forceinline__ void load_weights(const Conv<T, float, K>& conv, int64_t b, int64_t d0,
+                                             float (&w)[K][C], float (&bias)[C]) {
+  load_param_rows<T>(conv.p, [&](int c) { return conv.param_row(b, d0 + c); }, w, bias);
 }
 
 // C consecutive values of a channel-last row at time u as floats, for the halo rows before a
@@ -503,7 +509,6 @@ __device__ __forceinline__ void halo_after(const U (&own)[V], const U (&next)[V]
 // warp's loads were only its one row's: 256 bytes in flight per warp where the bytes from DRAM
 // need about 40 KB per SM.
 
-
 // Lanes per row for the short-row kernels: the packs of a row rounded up to a power of two; 0 for
 // rows of more than 32 packs (the segment kernels').
 inline int short_row_group(int64_t length, int pack) {
@@ -543,10 +548,7 @@ __device__ __forceinline__ void load_row_weights(const Conv<T, float, K>& conv, 
                                                  float (&w)[K][1], float (&bias)[1]) {
   const ConvParams& p = conv.p;
   const int64_t row = (p.groups == 1 ? 0 : b / batch_per_group) * p.channels + d;
-  with_param_type<T, float>(p.params_like_x, [&](auto like_x) {
-    for (int k = 0; k < K; ++k) w[k][0] = load_param<T, float>(p.weight, row * K + k, like_x);
-    bias[0] = p.bias == nullptr ? 0.0f : load_param<T, float>(p.bias, row, like_x);
-  });
+  load_param_rows<T>(p, [&](int) { return row; }, w, bias);
 }
 
 // Where a short-row lane stands: lane g of its group holds times [t0, t0 + V) of each row it
