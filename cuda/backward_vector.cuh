@@ -163,6 +163,30 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
   }
 }
 
+// delta of a channel-first lane's pack from xs = x_{t0-P} .. x_{t0+V-1} and dy (0 where the
+// outputs do not exist, or with kSelect are padding), and where accumulate its terms of dw and db
+// (dw[K]). With kSelect, seq_idx's masks, segments[j] being the entry of xs[j]; without, every tap.
+template <bool kSelect, int K, int V>
+__device__ __forceinline__ void channel_first_deltas(const float (&w)[K][1], float bias,
+                                                     const float (&xs)[K - 1 + V],
+                                                     const float (&dy)[V], const int32_t* segments,
+                                                     bool exists, bool accumulate, bool silu,
+                                                     float (&delta)[V], float (&dw)[K + 1]) {
+  constexpr int P = K - 1;
+  for (int v = 0; v < V; ++v) {
+    const float z = channel_first_pre_activation<kSelect>(w, bias, xs, segments, v);
+    const bool output = exists && !(kSelect && segments[P + v] < 0);
+    delta[v] = output ? dy[v] * activation_grad(z, silu) : 0.0f;
+    if (accumulate) {
+      dw[K] += delta[v];
+      for (int k = 0; k < K; ++k) {
+        const float term = fmaf(delta[v], xs[v + k], dw[k]);
+        dw[k] = (!kSelect || same_segment(segments[P + v], segments[v + k])) ? term : dw[k];
+      }
+    }
+  }
+}
+
 // Segments whose x and dy packs a channel-first lane has in flight.
 constexpr int kBackwardAhead = 2;
 
@@ -250,28 +274,14 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
       float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}
       carry.advance(own, lane, xs);
       const bool accumulate = kInterior || t0 < item.c1;
-      // select: std::true_type for seq_idx's masks, segments[j] the entry of x_{t0-P+j}.
-      const auto deltas = [&](auto select, const int32_t* segments) {
-        constexpr bool kSelect = decltype(select)::value;
-        for (int v = 0; v < V; ++v) {
-          const float z = channel_first_pre_activation<kSelect>(w, bias[0], xs, segments, v);
-          const bool output = exists && !(kSelect && segments[P + v] < 0);
-          out.delta[v] = output ? dy[v] * activation_grad(z, p.silu) : 0.0f;
-          if (accumulate) {
-            dw[K] += out.delta[v];
-            for (int k = 0; k < K; ++k) {
-              const float term = fmaf(out.delta[v], xs[v + k], dw[k]);
-              dw[k] = (!kSelect || same_segment(segments[P + v], segments[v + k])) ? term : dw[k];
-            }
-          }
-        }
-      };
       if (!masked) {
-        deltas(std::false_type{}, nullptr);
+        channel_first_deltas<false>(w, bias[0], xs, dy, nullptr, exists, accumulate, p.silu,
+                                    out.delta, dw);
       } else {
         int32_t segments[P + V];
         load_segment_window<V, P, 0>(segment_row, t0, p.length, segments);
-        deltas(std::true_type{}, segments);
+        channel_first_deltas<true>(w, bias[0], xs, dy, segments, exists, accumulate, p.silu,
+                                   out.delta, dw);
       }
     };
 
@@ -444,25 +454,10 @@ __global__ void __launch_bounds__(kThreads, 2)
     // row past the last) computes deltas too, unused: no dw term, dS or dx reads a time that does
     // not exist. Without the test, the unmasked deltas need no branch per element.
     float delta[V], dw[K + 1] = {};  // dw[K] is db
-    const auto deltas = [&](auto select) {
-      constexpr bool kSelect = decltype(select)::value;
-      for (int v = 0; v < V; ++v) {
-        const float z = channel_first_pre_activation<kSelect>(w, bias[0], xs, segments, v);
-        const float grad = dys[v] * activation_grad(z, p.silu);
-        delta[v] = (kSelect && segments[P + v] < 0) ? 0.0f : grad;
-        if (live) {
-          dw[K] += delta[v];
-          for (int k = 0; k < K; ++k) {
-            const float term = fmaf(delta[v], xs[v + k], dw[k]);
-            dw[k] = (!kSelect || same_segment(segments[P + v], segments[v + k])) ? term : dw[k];
-          }
-        }
-      }
-    };
     if (masked) {
-      deltas(std::true_type{});
+      channel_first_deltas<true>(w, bias[0], xs, dys, segments, true, live, p.silu, delta, dw);
     } else {
-      deltas(std::false_type{});
+      channel_first_deltas<false>(w, bias[0], xs, dys, segments, true, live, p.silu, delta, dw);
     }
     if (p.dinitial_state != nullptr) {
       // dS = dx on [-P, 0): taps of outputs 0 .. P-1, the group's first lanes' (t < L).
