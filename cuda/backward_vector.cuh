@@ -200,13 +200,16 @@ struct SegmentDelta {
 // bound). It is bound by issue slots at its occupancy: left free, the 16-bit kernels took 102-167
 // registers (3-4 blocks of 128). Capped at 5 blocks (96 registers), bf16 K = 4 spills 28 bytes
 // and still ran the main workload in 150.5 us, against 167.0 for 2 blocks of 256 (114
-// registers); 16-bit K <= 4 and float32 K <= 6 get that cap. At 4 blocks (128 registers) no
-// unmasked kernel spills, nor do the masked ones up to K = 5 (at most 12 bytes); the masked ones
-// above K = 5 would spill 24-144 bytes there and are left free.
+// registers); every unmasked kernel up to K = 6 gets that cap. bf16 K = 5 and 6 spill 48 and 96
+// bytes there and still beat 4 blocks (no spills): 158.9 against 166.8 us and 169.7 against
+// 175.0 with B=8 L=2048 D=4096; at K = 7 it gained nothing (185.4 against 186.7) and at K = 8
+// it lost (204.4 against 194.7). At 4 blocks (128 registers) no unmasked kernel spills, nor do the masked ones
+// up to K = 5 (at most 12 bytes); the masked ones above K = 5 would spill 24-144 bytes there and
+// are left free.
 template <typename T, int K, bool kMasked>
 constexpr int channel_first_backward_min_blocks() {
   if constexpr (kMasked) return K <= 5 ? 4 : 0;
-  return (sizeof(T) == 2 && K <= 4) || (sizeof(T) == 4 && K <= 6) ? 5 : 4;
+  return K <= 6 ? 5 : 4;
 }
 
 // (B, D, L), L a multiple of the pack V. A warp streams chunk_len times of one (b, d) row in

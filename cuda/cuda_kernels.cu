@@ -266,8 +266,10 @@ int64_t short_row_blocks(const ConvParams& p, int group) {
 // A thread's prologue as a cost in steps. The backward's tiles are at least kTileLen long: its
 // workspace holds tile_count(L) slices of dw/db sums per row.
 constexpr int64_t kPrologueSteps = 16;
-// Channel-last forward threads below which its pieces of time shrink from 64 steps to 32.
+// Channel-last forward threads below which its pieces of time shrink from 64 steps, halving
+// down to kForwardMinChunk.
 constexpr int64_t kForwardMinThreads = 65536;
+constexpr int64_t kForwardMinChunk = 8;
 
 template <typename T, int K, bool kMasked>
 void launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
@@ -276,9 +278,13 @@ void launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
     const int64_t columns = p.batch * (p.channels / C);
     // 64 steps per thread (fewer prologues: weights, halo rows, the ring's first wait) unless
     // that leaves too few threads; 64 against 32 took the main workload from 104 to 85 us. Pieces
-    // sized to one wave (steps_per_thread, 171 steps) were slower: 90.6 against 82.6 us.
-    const int64_t time_chunk = columns * ((p.length + 63) / 64) >= kForwardMinThreads ? 64 : 32;
-    const int64_t threads = columns * ((p.length + time_chunk - 1) / time_chunk);
+    // sized to one wave (steps_per_thread, 171 steps) were slower: 90.6 against 82.6 us. Small
+    // problems (D = 256 at B=8 L=2048: 512 columns) halve the pieces until the threads fill the
+    // GPU again.
+    const auto threads_for = [&](int64_t chunk) { return columns * ((p.length + chunk - 1) / chunk); };
+    int64_t time_chunk = 64;
+    while (time_chunk > kForwardMinChunk && threads_for(time_chunk) < kForwardMinThreads) time_chunk /= 2;
+    const int64_t threads = threads_for(time_chunk);
     const int64_t blocks = std::min(kMaxGridBlocks, (threads + kForwardThreads - 1) / kForwardThreads);
     forward_channel_last_kernel<T, K, kMasked><<<blocks, kForwardThreads, 0, stream>>>(p, time_chunk);
   } else if (const int group = short_row_group(p.length, kPack<T>); group > 0) {
