@@ -21,17 +21,8 @@ constexpr int kForwardBudget = 16;
 // unrolled K times, so that the window shifts are register renaming. With seq_idx, the steps whose
 // windows SegmentSteps finds across a segment boundary or at padding run one by one, with tap
 // tests.
-// Blocks of kForwardThreads per SM the channel-last forward's registers must allow (0: no bound).
-// Unmasked 16-bit K = 5 asks for 5 (80 registers against 88 left free): 77.0 against 79.2 us
-// with bf16 B=8 L=2048 D=4096. At K = 6 the same bound gained 1% and at K = 7 and 8 it lost
-// (84.2 against 83.2, 97.9 against 95.1), so the others are left free.
 template <typename T, int K, bool kMasked>
-constexpr int forward_min_blocks() {
-  return !kMasked && sizeof(T) == 2 && K == 5 ? 5 : 0;
-}
-
-template <typename T, int K, bool kMasked>
-__global__ void __launch_bounds__(kForwardThreads, forward_min_blocks<T, K, kMasked>())
+__global__ void __launch_bounds__(kForwardThreads)
     forward_channel_last_kernel(ConvParams p, int64_t time_chunk) {
   constexpr int C = channels_per_thread<T, K, kForwardBudget>();
   constexpr int P = K - 1;
