@@ -1,4 +1,4 @@
-"""Runs the main workload's forward and backward once each, for a kernel profiler.
+"""Runs the main workload's forward and backward (or another shape's) once each, for a profiler.
 
     ncu --clock-control none --kernel-name regex:"forward|backward|reduce" \
         --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
@@ -21,8 +21,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--layout", default="BLD", choices=("BLD", "BDL"))
     parser.add_argument("--width", type=int, default=4)
+    parser.add_argument("--shape", default="8,2048,4096", help="batch,length,channels")
     args = parser.parse_args()
-    batch, length, channels = 8, 2048, 4096
+    batch, length, channels = (int(n) for n in args.shape.split(","))
     rng = np.random.default_rng(0)
     shape = (batch, length, channels) if args.layout == "BLD" else (batch, channels, length)
     x = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)

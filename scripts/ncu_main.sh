@@ -1,15 +1,36 @@
 #!/usr/bin/env bash
-# Hardware counters for our kernels on the main workload, both layouts: time, DRAM and SM
-# throughput, issue activity, active warps, registers and instructions per kernel, as ncu's CSV
-# (one row per kernel and metric) in DIR/ncu_BLD.csv and DIR/ncu_BDL.csv.
+# Hardware counters for our kernels on the main workload (or SHAPE=batch,length,channels), both
+# layouts: time, DRAM and SM throughput, issue activity, active warps, registers, instructions and
+# grid size per kernel, as ncu's CSV (one row per kernel and metric) in DIR/ncu_BLD.csv and
+# DIR/ncu_BDL.csv; then each kernel's time and grid, one line per launch.
 #   scripts/ncu_main.sh DIR
+#   SHAPE=8,2048,256 KERNELS=. scripts/ncu_main.sh DIR   # every kernel, XLA's too
 set -uo pipefail
 out=${1:?usage: scripts/ncu_main.sh DIR}
+shape=${SHAPE:-8,2048,4096}
+kernels=${KERNELS:-channel|reduce|short_rows}
 metrics=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
 metrics+=,sm__throughput.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active
 metrics+=,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,smsp__inst_executed.sum
+metrics+=,launch__grid_size
 for layout in BLD BDL; do
-  ncu --clock-control none --kernel-name regex:"channel|reduce" --metrics "$metrics" --csv \
-    python3 benchmarks/profile_kernels.py --layout "$layout" >"$out/ncu_$layout.csv" 2>"$out/ncu_$layout.log"
-  echo "ncu $layout: exit $? ($(grep -c '^"' "$out/ncu_$layout.csv") rows)"
+  csv="$out/ncu_$layout.csv"
+  ncu --clock-control none --kernel-name regex:"$kernels" --metrics "$metrics" --csv \
+    python3 benchmarks/profile_kernels.py --layout "$layout" --shape "$shape" >"$csv" 2>"$out/ncu_$layout.log"
+  echo "ncu $layout $shape: exit $? ($(grep -c '^"' "$csv") rows)"
+  python3 - "$csv" <<'PY'
+import csv, re, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+head, rows = rows[0], rows[1:]
+col = {name: head.index(name) for name in ("ID", "Kernel Name", "Metric Name", "Metric Value")}
+launches = {}
+for r in rows:
+    launch = launches.setdefault(r[col["ID"]], {"name": r[col["Kernel Name"]]})
+    launch[r[col["Metric Name"]]] = r[col["Metric Value"]]
+for launch_id, m in sorted(launches.items(), key=lambda item: int(item[0])):
+    name = m["name"].replace("(anonymous namespace)::", "").removeprefix("void ").split("(")[0].removeprefix("causal_conv::")[:60]
+    print(f"  {launch_id:>4} {name:60} {m.get('gpu__time_duration.sum', '?'):>9} ns  grid {m.get('launch__grid_size', '?'):>7}"
+          f"  dram {m.get('dram__throughput.avg.pct_of_peak_sustained_elapsed', '?'):>6}%"
+          f"  regs {m.get('launch__registers_per_thread', '?')}")
+PY
 done
