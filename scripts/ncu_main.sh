@@ -4,7 +4,9 @@
 # grid size per kernel, as ncu's CSV (one row per kernel and metric) in DIR/ncu_BLD.csv and
 # DIR/ncu_BDL.csv; then each kernel's time and grid, one line per launch.
 #   scripts/ncu_main.sh DIR
-#   SHAPE=8,2048,256 KERNELS=. scripts/ncu_main.sh DIR   # every kernel, XLA's too
+#   SHAPE=8,2048,256 scripts/ncu_main.sh DIR
+# KERNELS (a regex) widens the filter; '.' also profiles every kernel JAX runs while starting and
+# compiling, and did not finish the first layout in 200 s (tests/GPU.md, eighth session).
 set -uo pipefail
 out=${1:?usage: scripts/ncu_main.sh DIR}
 shape=${SHAPE:-8,2048,4096}
