@@ -130,10 +130,11 @@ class DecodeCase:
         return item * (2 * self.B * self.D + 2 * self.B * (self.K - 1) * self.D)
 
 
-def select_cases(groups, layouts, quick: bool, widths=tuple(range(2, 9))):
+def select_cases(groups, layouts, quick: bool, widths=tuple(range(2, 9)), match=()):
     """The prefill and decode cases of the chosen groups and layouts, in order, no duplicates.
 
-    widths: the K values of the widths group.
+    widths: the K values of the widths group. match: if given, only the cases with one of these
+    words in their name (``D256`` for ``bf16 B8 L2048 D256 K4 BLD``).
     """
     if quick:
         B, L, D, K = 2, 64, 32, 4
@@ -160,7 +161,9 @@ def select_cases(groups, layouts, quick: bool, widths=tuple(range(2, 9))):
                         for lay in layouts for f in (False, True)]
         elif group == "decode":
             decodes += [dataclasses.replace(decode, layout=lay) for lay in layouts]
-    return list(dict.fromkeys(prefill)), list(dict.fromkeys(decodes)), Case(B, L, D, K)
+    keep = lambda case: not match or bool(set(match) & set(case.name.split()))  # noqa: E731
+    return ([c for c in dict.fromkeys(prefill) if keep(c)],
+            [c for c in dict.fromkeys(decodes) if keep(c)], Case(B, L, D, K))
 
 
 # ------------------------------------------------------------------------------ implementations
@@ -890,6 +893,9 @@ def parse_args(argv=None):
                    help="comma-separated layouts (default BLD,BDL; BLD in --quick)")
     p.add_argument("--widths", default="2,3,4,5,6,7,8",
                    help="comma-separated K values of the widths group (default 2 to 8)")
+    p.add_argument("--match", default="",
+                   help="comma-separated words: time only the chosen groups' cases with one of "
+                        "them in their name, e.g. D256,L128")
     p.add_argument("--out", default=None, help="folder for bench.md, bench.png and bench.json")
     p.add_argument("--quick", action="store_true",
                    help="tiny shapes and few repetitions: a CPU smoke run in seconds")
@@ -927,6 +933,10 @@ def parse_args(argv=None):
     bad = [k for k in args.widths if k < 1]
     if bad or not args.widths:
         p.error(f"--widths needs kernel widths >= 1, got {args.widths!r}")
+    args.match = tuple(word for word in args.match.split(",") if word)
+    if args.match and not any(select_cases(args.groups, args.layouts, args.quick, args.widths,
+                                           args.match)[:2]):
+        p.error(f"--match {','.join(args.match)} selects none of the chosen groups' cases")
     args.reps = args.reps or (3 if args.quick else 20)
     args.min_time = args.min_time or (0.002 if args.quick else 0.02)
     return args
@@ -940,7 +950,8 @@ def main(argv=None) -> int:
     on_gpu = jax.devices()[0].platform == "gpu"
     log(f"bench: {env}; groups {','.join(args.groups)}; reps {args.reps}, "
         f"min time {args.min_time * 1e3:g} ms, primary {args.primary}")
-    prefill_cases, decode_cases, base = select_cases(args.groups, args.layouts, args.quick, args.widths)
+    prefill_cases, decode_cases, base = select_cases(args.groups, args.layouts, args.quick,
+                                                     args.widths, args.match)
     prefill, decode, notes, warn = {}, {}, [], []
     t_start = time.perf_counter()
     for case in prefill_cases:

@@ -113,6 +113,23 @@ def test_widths_option_rejects_bad_values(capsys):
         assert "--widths" in capsys.readouterr().err
 
 
+def test_match_option_keeps_the_cases_named_by_it(capsys):
+    bench = load_bench()
+    args = bench.parse_args(["--cases", "shapes,decode", "--match", "D256,L128"])
+    prefill, decode, _ = bench.select_cases(args.groups, args.layouts, args.quick, args.widths,
+                                            args.match)
+    assert [(c.B, c.L, c.D, c.layout) for c in prefill] == [
+        (64, 128, 4096, "BLD"), (64, 128, 4096, "BDL"), (8, 2048, 256, "BLD"), (8, 2048, 256, "BDL")]
+    assert decode == []
+    everything = bench.parse_args(["--cases", "shapes"])
+    assert len(bench.select_cases(everything.groups, everything.layouts, everything.quick,
+                                  everything.widths, everything.match)[0]) == 8
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(["--cases", "shapes", "--match", "D999"])
+    assert exc.value.code == 2
+    assert "--match D999" in capsys.readouterr().err
+
+
 def test_consistency_note_flags_a_disturbed_median():
     bench = load_bench()
     T = bench.Timing
