@@ -4,6 +4,9 @@
 #
 #   scripts/gpu_check.sh                 # build + GPU tests + examples
 #   STEPS="build tests sanitizer" scripts/gpu_check.sh
+#   STEPS="build sanitizer" SANITIZE=memcheck scripts/gpu_check.sh  # which sanitizer runs, of
+#       "memcheck unvalidated racecheck" (default: all three; on the H200 memcheck over
+#       sanitizer_cases.py took 91-104 s, racecheck reached 11 of its 19 cases in 184 s)
 #   STEPS="build determinism extreme" scripts/gpu_check.sh   # issue 7: 1000-run determinism, extreme sizes
 #   EXTREME_ARGS="--only K=256" DETERMINISM_ARGS="--runs 100"  # extra arguments for those two scripts
 #   PYTEST_ARGS="tests/test_backward.py -k determinism" scripts/gpu_check.sh
@@ -21,6 +24,7 @@ PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-0}  # seconds per shard; 0: no limit
 EXTREME_ARGS=${EXTREME_ARGS:-}
 DETERMINISM_ARGS=${DETERMINISM_ARGS:-}
 BENCH_ARGS=${BENCH_ARGS:-}
+SANITIZE=${SANITIZE:-"memcheck unvalidated racecheck"}
 export PYTHONUNBUFFERED=1
 summary=()
 
@@ -114,14 +118,21 @@ if step sanitizer; then
     total=$(grep -oE 'of [0-9]+ cases' "$2" | head -1 | cut -d' ' -f2)
     summary+=("compute-sanitizer $1 ${filter[*]} scripts/sanitizer_cases.py: exit $rc, $(grep -cE ' ok$' "$2") of ${total:-?} cases ok, $crashes sanitizer crashes resumed; summaries:${summaries:- none}")
   }
-  sanitize_cases memcheck "$OUT/sanitizer_memcheck.log"
-  # Values no trace-time check can see (issue 7 item 3): seq_idx, state_indices, cache_seqlens.
-  for section in conv update varlen; do
-    sanitize memcheck "scripts/sanitizer_unvalidated.py $section" "$OUT/sanitizer_memcheck_unvalidated_$section.log"
-  done
-  # racecheck sees shared-memory hazards only; no kernel's shared-memory accesses depend on the
-  # unvalidated values, so the shapes of sanitizer_cases.py cover them.
-  sanitize_cases racecheck "$OUT/sanitizer_racecheck.log"
+  wanted() { [[ " $SANITIZE " == *" $1 "* ]]; }
+  if wanted memcheck; then
+    sanitize_cases memcheck "$OUT/sanitizer_memcheck.log"
+  fi
+  if wanted unvalidated; then
+    # Values no trace-time check can see (issue 7 item 3): seq_idx, state_indices, cache_seqlens.
+    for section in conv update varlen; do
+      sanitize memcheck "scripts/sanitizer_unvalidated.py $section" "$OUT/sanitizer_memcheck_unvalidated_$section.log"
+    done
+  fi
+  if wanted racecheck; then
+    # racecheck sees shared-memory hazards only; no kernel's shared-memory accesses depend on the
+    # unvalidated values, so the shapes of sanitizer_cases.py cover them.
+    sanitize_cases racecheck "$OUT/sanitizer_racecheck.log"
+  fi
 fi
 
 if step determinism; then
