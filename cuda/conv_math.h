@@ -197,6 +197,22 @@ CAUSAL_CONV_HD void store_param(void* base, int64_t i, A v, bool like_x) {
   static_cast<A*>(base)[i] = v;
 }
 
+// Row (b, d)'s weights and bias, for Conv and Update: params p (ConvParams or UpdateParams) holds
+// batch, groups, channels, weight, bias and params_like_x. param_row is the row's index in bias,
+// and times the width its first weight's in weight.
+template <typename Params>
+CAUSAL_CONV_HD int64_t param_row_of(const Params& p, int64_t b, int64_t d) {
+  return b / (p.batch / p.groups) * p.channels + d;
+}
+template <typename T, typename A, typename Params>
+CAUSAL_CONV_HD A weight_of(const Params& p, int64_t b, int64_t d, int64_t width, int64_t k) {
+  return load_param<T, A>(p.weight, param_row_of(p, b, d) * width + k, p.params_like_x);
+}
+template <typename T, typename A, typename Params>
+CAUSAL_CONV_HD A bias_of(const Params& p, int64_t b, int64_t d) {
+  return p.bias ? load_param<T, A>(p.bias, param_row_of(p, b, d), p.params_like_x) : A(0);
+}
+
 // DESIGN.md section 2: output time t (segment seg_t) reads input time u (segment seg_u) only
 // inside its own non-padding segment.
 CAUSAL_CONV_HD bool same_segment(int32_t seg_t, int32_t seg_u) { return seg_t >= 0 && seg_u == seg_t; }
@@ -210,17 +226,11 @@ struct Conv {
   CAUSAL_CONV_HD int64_t width() const { return kWidth > 0 ? kWidth : p.width; }
   CAUSAL_CONV_HD int64_t state_len() const { return width() - 1; }
 
-  CAUSAL_CONV_HD int64_t group(int64_t b) const { return b / (p.batch / p.groups); }
-  // Row (b, d)'s index in bias, and times width() its first weight's in weight.
-  CAUSAL_CONV_HD int64_t param_row(int64_t b, int64_t d) const {
-    return group(b) * p.channels + d;
-  }
+  CAUSAL_CONV_HD int64_t param_row(int64_t b, int64_t d) const { return param_row_of(p, b, d); }
   CAUSAL_CONV_HD A weight(int64_t b, int64_t d, int64_t k) const {
-    return load_param<T, A>(p.weight, param_row(b, d) * width() + k, p.params_like_x);
+    return weight_of<T, A>(p, b, d, width(), k);
   }
-  CAUSAL_CONV_HD A bias(int64_t b, int64_t d) const {
-    return p.bias ? load_param<T, A>(p.bias, param_row(b, d), p.params_like_x) : A(0);
-  }
+  CAUSAL_CONV_HD A bias(int64_t b, int64_t d) const { return bias_of<T, A>(p, b, d); }
   // fn(w), w(k) being weight k of row (b, d): the weights' type is picked once, outside fn's loop.
   template <typename Fn>
   CAUSAL_CONV_HD A with_weights(int64_t b, int64_t d, const Fn& fn) const {

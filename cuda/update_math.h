@@ -38,16 +38,10 @@ struct Update {
   CAUSAL_CONV_HD int64_t width() const { return kWidth > 0 ? kWidth : p.width; }
   CAUSAL_CONV_HD int64_t history() const { return width() - 1; }
 
-  CAUSAL_CONV_HD int64_t group(int64_t b) const { return b / (p.batch / p.groups); }
-  CAUSAL_CONV_HD int64_t param_row(int64_t b, int64_t d) const {
-    return group(b) * p.channels + d;
-  }
   CAUSAL_CONV_HD A weight(int64_t b, int64_t d, int64_t k) const {
-    return load_param<T, A>(p.weight, param_row(b, d) * width() + k, p.params_like_x);
+    return weight_of<T, A>(p, b, d, width(), k);
   }
-  CAUSAL_CONV_HD A bias(int64_t b, int64_t d) const {
-    return p.bias ? load_param<T, A>(p.bias, param_row(b, d), p.params_like_x) : A(0);
-  }
+  CAUSAL_CONV_HD A bias(int64_t b, int64_t d) const { return bias_of<T, A>(p, b, d); }
 
   // The pool row that batch row b reads and writes, or -1 when b is padding.
   CAUSAL_CONV_HD int64_t pool_row(int64_t b) const {
