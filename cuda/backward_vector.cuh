@@ -229,9 +229,6 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
   constexpr int64_t kSegment = kLanes * V;
   const Conv<T, float, K> conv{p};
   const int lane = threadIdx.x % kLanes;
-  constexpr int G = channels_per_item<kMasked>();
-  const int64_t chunks = (p.length + chunk_len - 1) / chunk_len;
-  const int64_t items = channel_first_items<kMasked>(p, chunks);
   // The item's channel `item` (times [c0, c1)). Bit 0 of uniform.before: whether the next segment
   // that segment_delta takes is uniform for its deltas; of uniform.after, whether the next segment
   // that segment_dx takes is for its dx. They take the segments below loaded_end and c1: the
@@ -379,22 +376,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
       for (int k = 0; k <= K; ++k) out[k] = dw[k];
     }
   };
-  const int64_t warps_per_grid = int64_t{gridDim.x} * (blockDim.x / kLanes);
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x / kLanes} + threadIdx.x / kLanes;
-       i < items; i += warps_per_grid) {
-    if constexpr (G == 1) {
-      run(ChannelFirstItem(i, chunks, chunk_len, p), UniformSegments{0, 0});
-    } else {
-      const ChannelFirstItem first(i, chunks, chunk_len, p, G);
-      const int64_t loaded_end = std::min(first.c1 + P, p.length);
-      const int count = static_cast<int>(
-          std::min<int64_t>(kUniformSegments, (loaded_end - first.c0 + kSegment - 1) / kSegment));
-      const UniformSegments uniform =
-          uniform_segments<V, P>(p.seq_idx + first.b * p.length, first.c0, count, p.length, lane);
-      const int channels = static_cast<int>(std::min<int64_t>(G, p.channels - first.d));
-      for (int g = 0; g < channels; ++g) run(first.channel(g), uniform);
-    }
-  }
+  for_each_channel_first_item<V, P, kMasked>(p, chunk_len, P, run);
 }
 
 // Warp items whose rows (x and dy) a short-row backward lane has in flight: 3 x 32 bytes. With

@@ -499,6 +499,36 @@ __device__ __forceinline__ void halo_after(const U (&own)[V], const U (&next)[V]
   }
 }
 
+// Runs run(item, uniform) for this warp's channel-first items (a grid-stride loop over warps) of
+// rows cut into chunks of chunk_len times. With seq_idx an item takes channels_per_item channels
+// and they share one UniformSegments, found over its segments from c0 to min(c1 + extra, L): the
+// times it loads (the backward's dx also needs the P after its own). Without seq_idx, all zero.
+template <int V, int P, bool kMasked, typename Run>
+__device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p, int64_t chunk_len,
+                                                            int64_t extra, const Run& run) {
+  constexpr int64_t kSegment = kLanes * V;
+  constexpr int G = channels_per_item<kMasked>();
+  const int lane = threadIdx.x % kLanes;
+  const int64_t chunks = (p.length + chunk_len - 1) / chunk_len;
+  const int64_t items = channel_first_items<kMasked>(p, chunks);
+  const int64_t warps_per_grid = int64_t{gridDim.x} * (blockDim.x / kLanes);
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x / kLanes} + threadIdx.x / kLanes;
+       i < items; i += warps_per_grid) {
+    if constexpr (G == 1) {
+      run(ChannelFirstItem(i, chunks, chunk_len, p), UniformSegments{0, 0});
+    } else {
+      const ChannelFirstItem first(i, chunks, chunk_len, p, G);
+      const int64_t end = std::min(first.c1 + extra, p.length);
+      const int count = static_cast<int>(
+          std::min<int64_t>(kUniformSegments, (end - first.c0 + kSegment - 1) / kSegment));
+      const UniformSegments uniform =
+          uniform_segments<V, P>(p.seq_idx + first.b * p.length, first.c0, count, p.length, lane);
+      const int channels = static_cast<int>(std::min<int64_t>(G, p.channels - first.d));
+      for (int g = 0; g < channels; ++g) run(first.channel(g), uniform);
+    }
+  }
+}
+
 // ---- channel-first short rows: several rows per warp ----
 //
 // A row of at most 32 packs takes a group of lanes (a power of two, at least its packs), lane g of

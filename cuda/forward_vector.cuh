@@ -165,12 +165,10 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
   constexpr int64_t kSegment = kLanes * V;
   const Conv<T, float, K> conv{p};
   const int lane = threadIdx.x % kLanes;
-  constexpr int G = channels_per_item<kMasked>();
-  const int64_t chunks = (p.length + chunk_len - 1) / chunk_len;
-  const int64_t items = channel_first_items<kMasked>(p, chunks);
-  // The item's channel `item` (times [c0, c1)); uniform: bit j, whether the item's segment j is
-  // uniform (none past the first kUniformSegments).
-  const auto run = [&](const ChannelFirstItem& item, uint32_t uniform) {
+  // The item's channel `item` (times [c0, c1)); bit j of masks.before (then of uniform): whether
+  // the item's segment j is uniform (none past the first kUniformSegments).
+  const auto run = [&](const ChannelFirstItem& item, UniformSegments masks) {
+    uint32_t uniform = masks.before;
     const T* x_row = static_cast<const T*>(p.x) + item.row * p.length;
     T* y_row = static_cast<T*>(p.y) + item.row * p.length;
     const int32_t* segment_row = kMasked ? p.seq_idx + item.b * p.length : nullptr;
@@ -221,22 +219,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
       }
     }
   };
-  const int64_t warps_per_grid = int64_t{gridDim.x} * (blockDim.x / kLanes);
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x / kLanes} + threadIdx.x / kLanes;
-       i < items; i += warps_per_grid) {
-    if constexpr (G == 1) {
-      run(ChannelFirstItem(i, chunks, chunk_len, p), 0);
-    } else {
-      const ChannelFirstItem first(i, chunks, chunk_len, p, G);
-      const int count = static_cast<int>(
-          std::min<int64_t>(kUniformSegments, (first.c1 - first.c0 + kSegment - 1) / kSegment));
-      const uint32_t uniform =
-          uniform_segments<V, P>(p.seq_idx + first.b * p.length, first.c0, count, p.length, lane)
-              .before;
-      const int channels = static_cast<int>(std::min<int64_t>(G, p.channels - first.d));
-      for (int g = 0; g < channels; ++g) run(first.channel(g), uniform);
-    }
-  }
+  for_each_channel_first_item<V, P, kMasked>(p, chunk_len, 0, run);
 }
 
 // Warp items whose rows a short-row lane has in flight: 4 x 16 bytes, 2 KB per warp; 24 warps per
