@@ -414,12 +414,11 @@ ffi::Error forward_handler(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
                            ffi::Buffer<ffi::S32> seq_idx, ffi::Result<ffi::AnyBuffer> y,
                            ffi::Result<ffi::AnyBuffer> final_state, bool silu, bool channel_last) {
   ConvParams p;
-  if (auto err = fill_params(x, weight, bias, initial_state, seq_idx, silu, channel_last, p);
+  if (auto err = fill_forward_params(x, weight, bias, initial_state, seq_idx, y, final_state, silu,
+                                     channel_last, p);
       err.failure()) {
     return err;
   }
-  p.y = y->untyped_data();
-  p.final_state = optional_data(final_state);
   return dispatch_dtype<__half, __nv_bfloat16>(
       x.element_type(), [&](auto types) {
         using Types = decltype(types);

@@ -93,6 +93,28 @@ inline ffi::Error fill_params(const ffi::AnyBuffer& x, const ffi::AnyBuffer& wei
   return ffi::Error::Success();
 }
 
+// fill_params plus the forward's outputs: y shaped like x, final_state like the state (or empty).
+inline ffi::Error fill_forward_params(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight,
+                                      const ffi::AnyBuffer& bias,
+                                      const ffi::AnyBuffer& initial_state,
+                                      const ffi::Buffer<ffi::S32>& seq_idx,
+                                      ffi::Result<ffi::AnyBuffer>& y,
+                                      ffi::Result<ffi::AnyBuffer>& final_state, bool silu,
+                                      bool channel_last, ConvParams& p) {
+  if (auto err = fill_params(x, weight, bias, initial_state, seq_idx, silu, channel_last, p);
+      err.failure()) {
+    return err;
+  }
+  if (y->element_count() != x.element_count()) return invalid("y must have x's size");
+  const size_t state_count = static_cast<size_t>(p.batch * (p.width - 1) * p.channels);
+  if (final_state->element_count() != 0 && final_state->element_count() != state_count) {
+    return invalid("final_state has the wrong size");
+  }
+  p.y = y->untyped_data();
+  p.final_state = optional_data(final_state);
+  return ffi::Error::Success();
+}
+
 // fill_params plus the backward's buffers: dy and dx shaped like x, dweight and dbias like weight
 // and bias (same dtype), dfinal_state and dinitial_state like the state (or empty).
 inline ffi::Error fill_backward_params(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight,
