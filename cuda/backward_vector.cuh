@@ -203,9 +203,9 @@ struct SegmentDelta {
 // registers); every unmasked kernel up to K = 6 gets that cap. bf16 K = 5 and 6 spill 48 and 96
 // bytes there and still beat 4 blocks (no spills): 158.9 against 166.8 us and 169.7 against
 // 175.0 with B=8 L=2048 D=4096; at K = 7 it gained nothing (185.4 against 186.7) and at K = 8
-// it lost (204.4 against 194.7). At 4 blocks (128 registers) no unmasked kernel spills, nor do the masked ones
-// up to K = 5 (at most 12 bytes); the masked ones above K = 5 would spill 24-144 bytes there and
-// are left free.
+// it lost (204.4 against 194.7). At 4 blocks (128 registers) no unmasked kernel spills, nor do
+// the masked ones up to K = 5 (at most 12 bytes); the masked ones above K = 5 would spill 24-144
+// bytes there and are left free.
 template <typename T, int K, bool kMasked>
 constexpr int channel_first_backward_min_blocks() {
   if constexpr (kMasked) return K <= 5 ? 4 : 0;

@@ -281,9 +281,13 @@ void launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
     // sized to one wave (steps_per_thread, 171 steps) were slower: 90.6 against 82.6 us. Small
     // problems (D = 256 at B=8 L=2048: 512 columns) halve the pieces until the threads fill the
     // GPU again.
-    const auto threads_for = [&](int64_t chunk) { return columns * ((p.length + chunk - 1) / chunk); };
+    const auto threads_for = [&](int64_t chunk) {
+      return columns * ((p.length + chunk - 1) / chunk);
+    };
     int64_t time_chunk = 64;
-    while (time_chunk > kForwardMinChunk && threads_for(time_chunk) < kForwardMinThreads) time_chunk /= 2;
+    while (time_chunk > kForwardMinChunk && threads_for(time_chunk) < kForwardMinThreads) {
+      time_chunk /= 2;
+    }
     const int64_t threads = threads_for(time_chunk);
     const int64_t blocks = std::min(kMaxGridBlocks, (threads + kForwardThreads - 1) / kForwardThreads);
     forward_channel_last_kernel<T, K, kMasked><<<blocks, kForwardThreads, 0, stream>>>(p, time_chunk);
