@@ -51,6 +51,12 @@ inline ffi::Error check_param_dtypes(const ffi::AnyBuffer& x, const ffi::AnyBuff
   return ffi::Error::Success();
 }
 
+// Whether an optional state buffer (initial or final state, or a gradient of one) of count
+// elements fits p: absent (empty) or the (batch, width - 1, channels) conv state.
+inline bool optional_state_fits(size_t count, const ConvParams& p) {
+  return count == 0 || count == static_cast<size_t>(p.batch * (p.width - 1) * p.channels);
+}
+
 // x is (batch, length, channels) for channel_last, else (batch, channels, length);
 // weight is (groups, channels, width), bias (groups, channels).
 inline ffi::Error fill_params(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight,
@@ -71,9 +77,7 @@ inline ffi::Error fill_params(const ffi::AnyBuffer& x, const ffi::AnyBuffer& wei
   if (bias.element_count() != static_cast<size_t>(p.groups * p.channels)) {
     return invalid("bias must be (groups, channels)");
   }
-  const int64_t state_len = p.width - 1;
-  const size_t state_count = static_cast<size_t>(p.batch * state_len * p.channels);
-  if (initial_state.element_count() != 0 && initial_state.element_count() != state_count) {
+  if (!optional_state_fits(initial_state.element_count(), p)) {
     return invalid("initial_state has the wrong size");
   }
   if (seq_idx.element_count() != 0 &&
@@ -84,7 +88,7 @@ inline ffi::Error fill_params(const ffi::AnyBuffer& x, const ffi::AnyBuffer& wei
   p.silu = silu;
   p.channel_last = channel_last;
   p.x_strides = make_strides(p.length, p.channels, channel_last);
-  p.state_strides = make_strides(state_len, p.channels, channel_last);
+  p.state_strides = make_strides(p.width - 1, p.channels, channel_last);
   p.x = x.untyped_data();
   p.weight = weight.untyped_data();
   p.bias = bias.untyped_data();
@@ -106,8 +110,7 @@ inline ffi::Error fill_forward_params(const ffi::AnyBuffer& x, const ffi::AnyBuf
     return err;
   }
   if (y->element_count() != x.element_count()) return invalid("y must have x's size");
-  const size_t state_count = static_cast<size_t>(p.batch * (p.width - 1) * p.channels);
-  if (final_state->element_count() != 0 && final_state->element_count() != state_count) {
+  if (!optional_state_fits(final_state->element_count(), p)) {
     return invalid("final_state has the wrong size");
   }
   p.y = y->untyped_data();
@@ -142,9 +145,8 @@ inline ffi::Error fill_backward_params(const ffi::AnyBuffer& x, const ffi::AnyBu
       dbias->element_count() != bias.element_count()) {
     return invalid("dweight and dbias must have the sizes of weight and bias");
   }
-  const size_t state_count = static_cast<size_t>(p.batch * (p.width - 1) * p.channels);
   for (const size_t count : {dfinal_state.element_count(), dinitial_state->element_count()}) {
-    if (count != 0 && count != state_count) return invalid("state gradients have the wrong size");
+    if (!optional_state_fits(count, p)) return invalid("state gradients have the wrong size");
   }
   p.dy = dy.untyped_data();
   p.dfinal_state = optional_data(dfinal_state);

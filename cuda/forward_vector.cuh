@@ -262,7 +262,9 @@ __global__ void __launch_bounds__(kThreads) forward_short_rows_kernel(ConvParams
     } else {
       channel_first_outputs<false>(w, bias[0], xs, nullptr, p.silu, out);
     }
-    if (live) store_vec(static_cast<T*>(p.y) + cursor.row * p.length + at.t0, from_floats<T, V>(out));
+    if (live) {
+      store_vec(static_cast<T*>(p.y) + cursor.row * p.length + at.t0, from_floats<T, V>(out));
+    }
     cursor.advance(p.channels);
   }
 }
