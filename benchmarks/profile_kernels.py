@@ -1,14 +1,30 @@
-"""Runs the main workload's forward and backward (or another shape's) once each, for a profiler.
+"""Runs the main workload's forward and backward (or another shape's) for a profiler.
 
-    ncu --clock-control none --kernel-name regex:"forward|backward|reduce" \
-        --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+Under ncu, each call once (compilation and warm-up happen before the profiled calls, so each of
+our kernels shows up once per call in the profiler's output):
+
+    ncu --clock-control none --kernel-name regex:"forward|backward|reduce" \\
+        --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \\
         python3 benchmarks/profile_kernels.py --layout BLD
 
-Compilation and warm-up happen before the profiled calls are made, so each of our kernels shows
-up once per call in the profiler's output.
+With --trace N, without ncu: N calls of each op (and of the same-bytes copy bench.py times
+against) under `jax.profiler.trace`, then each kernel's median device time from the trace, one
+line per kernel and op. ncu takes minutes to start a JAX program; the trace takes seconds, and
+says how an op's time splits between its kernels (the backward's second one, the dw/db
+reduction, included) and how much of a loop-timed op is kernel time:
+
+    python3 benchmarks/profile_kernels.py --shape 8,2048,256 --trace 50
 """
 
 import argparse
+import collections
+import gzip
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -16,14 +32,81 @@ import numpy as np
 
 import jax_causal_conv as jcc
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench import flip_sign  # noqa: E402  (the copy's forward, as bench.py times it)
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """`batch,length,channels` as three ints."""
+    batch, length, channels = (int(n) for n in text.split(","))
+    return batch, length, channels
+
+
+def kernel_times(trace_dir: pathlib.Path) -> tuple[dict[str, list[float]], list[str]]:
+    """Device time (us) of each kernel launch in a perfetto trace, by kernel name, and the rows
+    (process / thread) the trace has.
+
+    Only the events on the GPU's stream rows count: the trace also holds host events and XLA's op
+    rows, which would count each kernel twice.
+    """
+    (trace,) = trace_dir.rglob("perfetto_trace.json.gz")
+    with gzip.open(trace) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    process, thread = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            process[e["pid"]] = e["args"]["name"]
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            thread[e["pid"], e["tid"]] = e["args"]["name"]
+    times = collections.defaultdict(list)
+    for e in events:
+        on_gpu = "GPU" in process.get(e.get("pid"), "")
+        on_stream = "Stream" in thread.get((e.get("pid"), e.get("tid")), "")
+        if e.get("ph") == "X" and on_gpu and on_stream:
+            times[e["name"]].append(float(e["dur"]))
+    rows = sorted({f"{process.get(pid, pid)} / {name}" for (pid, _), name in thread.items()})
+    return times, rows
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without namespaces, template arguments and parameters."""
+    name = name.replace("(anonymous namespace)::", "").removeprefix("void ")
+    name = name.split("(")[0].split("<")[0]
+    return name.rsplit("::", 1)[-1][:48]
+
+
+def trace_ops(ops: dict, calls: int) -> None:
+    """Prints each op's kernels: launches per call and median device time."""
+    print(f"{'op':10} {'kernel':48} {'per call':>8} {'median us':>10}")
+    for label, (fn, args) in ops.items():
+        jax.block_until_ready(fn(*args))
+        with tempfile.TemporaryDirectory() as tmp:
+            with jax.profiler.trace(tmp, create_perfetto_trace=True):
+                for _ in range(calls):
+                    jax.block_until_ready(fn(*args))
+            times, rows = kernel_times(pathlib.Path(tmp))
+        if not times:
+            print(f"{label:10} no kernel events on a GPU stream row; the trace's rows: {rows[:12]}")
+            continue
+        total = 0.0
+        for name, durations in sorted(times.items(), key=lambda item: -sum(item[1])):
+            median = statistics.median(durations)
+            total += median * len(durations) / calls
+            print(f"{label:10} {short_name(name):48} {len(durations) / calls:8.2f} {median:10.2f}")
+        print(f"{label:10} {'(sum of medians x launches per call)':48} {'':8} {total:10.2f}")
+
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--layout", default="BLD", choices=("BLD", "BDL"))
     parser.add_argument("--width", type=int, default=4)
-    parser.add_argument("--shape", default="8,2048,4096", help="batch,length,channels")
+    parser.add_argument("--shape", default="8,2048,4096", type=parse_shape,
+                        help="batch,length,channels")
+    parser.add_argument("--trace", type=int, default=0, metavar="N",
+                        help="time N calls of each op (and of the copy) from a jax.profiler trace")
     args = parser.parse_args()
-    batch, length, channels = (int(n) for n in args.shape.split(","))
+    batch, length, channels = args.shape
     rng = np.random.default_rng(0)
     shape = (batch, length, channels) if args.layout == "BLD" else (batch, channels, length)
     x = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
@@ -38,6 +121,15 @@ def main():
         return jax.vjp(fwd, x, w, b)[1](dy)
 
     fwd_jit, bwd_jit = jax.jit(fwd), jax.jit(bwd)
+    if args.trace:
+        print(f"{args.layout} B={batch} L={length} D={channels} K={args.width} bf16, "
+              f"{args.trace} calls each, {jax.devices()[0].device_kind}")
+        # bench.py's roofline: one read and one write (fwd), two reads and one write (bwd).
+        copy_fwd = jax.jit(flip_sign)
+        copy_bwd = jax.jit(lambda x, dy: dy - x)
+        trace_ops({"fwd": (fwd_jit, (x, w, b)), "bwd": (bwd_jit, (x, w, b, dy)),
+                   "copy fwd": (copy_fwd, (x,)), "copy bwd": (copy_bwd, (x, dy))}, args.trace)
+        return
     jax.block_until_ready(fwd_jit(x, w, b))
     jax.block_until_ready(bwd_jit(x, w, b, dy))
     jax.block_until_ready(fwd_jit(x, w, b))

@@ -1,8 +1,11 @@
-"""Smoke test of benchmarks/bench.py: the --quick run finishes and reports every implementation."""
+"""Smoke test of benchmarks/bench.py (the --quick run finishes and reports every implementation),
+and of profile_kernels.py's trace reading."""
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -146,3 +149,34 @@ def test_consistency_note_flags_a_disturbed_median():
     partial = results(77.9, 123.5, 200.2)
     del partial[("ours", "bwd")]
     assert bench.consistency_note(partial) == ""
+
+
+def test_profile_trace_parsing(tmp_path):
+    """profile_kernels.py --trace counts the kernels on the GPU's stream rows only."""
+    path = BENCH.parent / "profile_kernels.py"
+    spec = importlib.util.spec_from_file_location("profile_kernels", path)
+    profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile)
+
+    kernel = "void causal_conv::(anonymous namespace)::reduce_partials_kernel<float, float, 8, 4>(x)"
+    def named(what, pid, name, tid=None):
+        return {"ph": "M", "name": what, "pid": pid, "tid": tid, "args": {"name": name}}
+
+    stream = "Stream #13(Compute)"
+    meta = [named("process_name", 1, "/device:GPU:0"), named("thread_name", 1, stream, 7),
+            named("thread_name", 1, "XLA Ops", 8), named("process_name", 2, "/host:CPU"),
+            named("thread_name", 2, stream, 7)]
+    durations = [3.5, 1.25, 2.0]
+    kernels = [{"ph": "X", "pid": 1, "tid": 7, "ts": i, "dur": d, "name": kernel}
+               for i, d in enumerate(durations)]
+    others = [{"ph": "X", "pid": 1, "tid": 8, "ts": 0, "dur": 99.0, "name": kernel},  # op row
+              {"ph": "X", "pid": 2, "tid": 7, "ts": 0, "dur": 99.0, "name": kernel}]  # host
+    trace = tmp_path / "plugins" / "profile" / "run" / "perfetto_trace.json.gz"
+    trace.parent.mkdir(parents=True)
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": meta + others + kernels}, f)
+
+    times, rows = profile.kernel_times(tmp_path)
+    assert times == {kernel: durations}
+    assert "/device:GPU:0 / XLA Ops" in rows
+    assert profile.short_name(kernel) == "reduce_partials_kernel"
