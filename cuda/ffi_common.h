@@ -36,12 +36,8 @@ inline ffi::DataType accumulation_type(ffi::DataType x_dtype) {
 // kernels widen them as they load them).
 inline ffi::Error check_param_dtypes(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight,
                                      const ffi::AnyBuffer& bias, bool& like_x) {
+  // x's own dtype is dispatch_dtype's to check: every handler goes through it.
   const ffi::DataType x_dtype = x.element_type(), w_dtype = weight.element_type();
-  switch (x_dtype) {
-    case ffi::DataType::F32: case ffi::DataType::F64: case ffi::DataType::F16:
-    case ffi::DataType::BF16: break;
-    default: return invalid("x must be float16, bfloat16, float32 or float64");
-  }
   if (w_dtype != x_dtype && w_dtype != accumulation_type(x_dtype)) {
     return invalid("weight must have x's dtype or x's accumulation dtype (float32; float64 for "
                    "float64 x)");
@@ -51,10 +47,21 @@ inline ffi::Error check_param_dtypes(const ffi::AnyBuffer& x, const ffi::AnyBuff
   return ffi::Error::Success();
 }
 
-// Whether an optional state buffer (initial or final state, or a gradient of one) of count
-// elements fits p: absent (empty) or the (batch, width - 1, channels) conv state.
-inline bool optional_state_fits(size_t count, const ConvParams& p) {
-  return count == 0 || count == static_cast<size_t>(p.batch * (p.width - 1) * p.channels);
+// Whether buffer holds count elements of dtype. The handlers check every buffer's dtype with its
+// size: a kernel writing x's dtype into a narrower buffer of the same count would write past it.
+inline bool holds(const ffi::AnyBuffer& buffer, ffi::DataType dtype, size_t count) {
+  return buffer.element_type() == dtype && buffer.element_count() == count;
+}
+inline bool same_dtype_and_size(const ffi::AnyBuffer& buffer, const ffi::AnyBuffer& like) {
+  return holds(buffer, like.element_type(), like.element_count());
+}
+
+// Whether an optional state buffer (initial or final state, or a gradient of one) fits p: absent
+// (empty) or the (batch, width - 1, channels) conv state in x's dtype.
+inline bool optional_state_fits(const ffi::AnyBuffer& buffer, ffi::DataType x_dtype,
+                                const ConvParams& p) {
+  return buffer.element_count() == 0 ||
+         holds(buffer, x_dtype, static_cast<size_t>(p.batch * (p.width - 1) * p.channels));
 }
 
 // x is (batch, length, channels) for channel_last, else (batch, channels, length);
@@ -77,8 +84,8 @@ inline ffi::Error fill_params(const ffi::AnyBuffer& x, const ffi::AnyBuffer& wei
   if (bias.element_count() != static_cast<size_t>(p.groups * p.channels)) {
     return invalid("bias must be (groups, channels)");
   }
-  if (!optional_state_fits(initial_state.element_count(), p)) {
-    return invalid("initial_state has the wrong size");
+  if (!optional_state_fits(initial_state, x.element_type(), p)) {
+    return invalid("initial_state has the wrong size or dtype");
   }
   if (seq_idx.element_count() != 0 &&
       seq_idx.element_count() != static_cast<size_t>(p.batch * p.length)) {
@@ -109,9 +116,9 @@ inline ffi::Error fill_forward_params(const ffi::AnyBuffer& x, const ffi::AnyBuf
       err.failure()) {
     return err;
   }
-  if (y->element_count() != x.element_count()) return invalid("y must have x's size");
-  if (!optional_state_fits(final_state->element_count(), p)) {
-    return invalid("final_state has the wrong size");
+  if (!same_dtype_and_size(*y, x)) return invalid("y must have x's dtype and size");
+  if (!optional_state_fits(*final_state, x.element_type(), p)) {
+    return invalid("final_state has the wrong size or dtype");
   }
   p.y = y->untyped_data();
   p.final_state = optional_data(final_state);
@@ -134,19 +141,16 @@ inline ffi::Error fill_backward_params(const ffi::AnyBuffer& x, const ffi::AnyBu
       err.failure()) {
     return err;
   }
-  if (dy.element_count() != x.element_count() || dx->element_count() != x.element_count()) {
-    return invalid("dy and dx must have x's size");
+  if (!same_dtype_and_size(dy, x) || !same_dtype_and_size(*dx, x)) {
+    return invalid("dy and dx must have x's dtype and size");
   }
-  if (dweight->element_type() != weight.element_type() ||
-      dbias->element_type() != weight.element_type()) {
-    return invalid("dweight and dbias must have weight's dtype");
+  // bias has weight's dtype (check_param_dtypes).
+  if (!same_dtype_and_size(*dweight, weight) || !same_dtype_and_size(*dbias, bias)) {
+    return invalid("dweight and dbias must have the dtypes and sizes of weight and bias");
   }
-  if (dweight->element_count() != weight.element_count() ||
-      dbias->element_count() != bias.element_count()) {
-    return invalid("dweight and dbias must have the sizes of weight and bias");
-  }
-  for (const size_t count : {dfinal_state.element_count(), dinitial_state->element_count()}) {
-    if (!optional_state_fits(count, p)) return invalid("state gradients have the wrong size");
+  if (!optional_state_fits(dfinal_state, x.element_type(), p) ||
+      !optional_state_fits(*dinitial_state, x.element_type(), p)) {
+    return invalid("state gradients have the wrong size or dtype");
   }
   p.dy = dy.untyped_data();
   p.dfinal_state = optional_data(dfinal_state);
@@ -228,12 +232,14 @@ auto dispatch_width(int64_t width, Fn&& fn) {
 }
 
 // causal_conv1d_update: x is (batch, tokens, channels) for channel_last, else (batch, channels,
-// tokens); the state is (pool, state_len, channels) in the same layout. p.state and p.y are set by
-// the handler, which owns the in-place contract.
+// tokens); the state is (pool, state_len, channels) in the same layout; y is shaped like x and
+// new_state like state. p.state is new_state's buffer: see unaliased_state.
 inline ffi::Error fill_update_params(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight,
                                      const ffi::AnyBuffer& bias, const ffi::AnyBuffer& state,
                                      const ffi::Buffer<ffi::S32>& cache_seqlens,
-                                     const ffi::Buffer<ffi::S32>& state_indices, bool silu,
+                                     const ffi::Buffer<ffi::S32>& state_indices,
+                                     ffi::Result<ffi::AnyBuffer>& y,
+                                     ffi::Result<ffi::AnyBuffer>& new_state, bool silu,
                                      bool channel_last, UpdateParams& p) {
   const auto xd = x.dimensions();
   const auto wd = weight.dimensions();
@@ -270,6 +276,10 @@ inline ffi::Error fill_update_params(const ffi::AnyBuffer& x, const ffi::AnyBuff
   if (state_indices.element_count() == 0 && p.batch != 0 && p.pool != p.batch) {
     return invalid("without state_indices the conv_state pool must have batch rows");
   }
+  if (!same_dtype_and_size(*y, x)) return invalid("y must have x's dtype and size");
+  if (!same_dtype_and_size(*new_state, state)) {
+    return invalid("new_conv_state must have conv_state's dtype and size");
+  }
   p.silu = silu;
   p.channel_last = channel_last;
   p.x_strides = make_strides(p.tokens, p.channels, channel_last);
@@ -279,7 +289,17 @@ inline ffi::Error fill_update_params(const ffi::AnyBuffer& x, const ffi::AnyBuff
   p.bias = bias.untyped_data();
   p.cache_seqlens = cache_seqlens.element_count() == 0 ? nullptr : cache_seqlens.typed_data();
   p.state_indices = state_indices.element_count() == 0 ? nullptr : state_indices.typed_data();
+  p.y = y->untyped_data();
+  p.state = new_state->untyped_data();
   return ffi::Error::Success();
+}
+
+// The lowering aliases conv_state to new_conv_state, so the two are normally one buffer and the
+// update runs in place. Should XLA ever hand over two, the handler copies conv_state into p.state
+// first: the bytes to copy, or nullptr when there is nothing to copy.
+inline const void* unaliased_state(const ffi::AnyBuffer& conv_state, const UpdateParams& p) {
+  const void* from = conv_state.untyped_data();
+  return from == p.state || conv_state.size_bytes() == 0 ? nullptr : from;
 }
 
 template <typename B>

@@ -23,19 +23,14 @@ ffi::Error update_handler(ffi::AnyBuffer x, ffi::AnyBuffer weight, ffi::AnyBuffe
                           ffi::Result<ffi::AnyBuffer> new_conv_state, bool silu,
                           bool channel_last) {
   UpdateParams p;
-  if (auto err = fill_update_params(x, weight, bias, conv_state, cache_seqlens, state_indices,
-                                    silu, channel_last, p);
+  if (auto err = fill_update_params(x, weight, bias, conv_state, cache_seqlens, state_indices, y,
+                                    new_conv_state, silu, channel_last, p);
       err.failure()) {
     return err;
   }
-  // The lowering aliases conv_state to new_conv_state, so the buffers are normally one; copy
-  // only if XLA ever hands over two.
-  void* state = new_conv_state->untyped_data();
-  if (state != conv_state.untyped_data() && conv_state.size_bytes() > 0) {
-    std::memcpy(state, conv_state.untyped_data(), conv_state.size_bytes());
+  if (const void* from = unaliased_state(conv_state, p)) {
+    std::memcpy(p.state, from, conv_state.size_bytes());
   }
-  p.state = state;
-  p.y = y->untyped_data();
   return dispatch_dtype<Float16, BFloat16>(
       x.element_type(), [&](auto types) {
         using Types = decltype(types);

@@ -252,24 +252,19 @@ ffi::Error update_handler(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
                           ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> new_conv_state,
                           bool silu, bool channel_last) {
   UpdateParams p;
-  if (auto err = fill_update_params(x, weight, bias, conv_state, cache_seqlens, state_indices,
-                                    silu, channel_last, p);
+  if (auto err = fill_update_params(x, weight, bias, conv_state, cache_seqlens, state_indices, y,
+                                    new_conv_state, silu, channel_last, p);
       err.failure()) {
     return err;
   }
-  // The lowering aliases conv_state to new_conv_state, so the buffers are normally one; copy
-  // only if XLA ever hands over two.
-  void* state = new_conv_state->untyped_data();
-  if (state != conv_state.untyped_data() && conv_state.size_bytes() > 0) {
-    const cudaError_t err = cudaMemcpyAsync(state, conv_state.untyped_data(), conv_state.size_bytes(),
-                                            cudaMemcpyDeviceToDevice, stream);
+  if (const void* from = unaliased_state(conv_state, p)) {
+    const cudaError_t err =
+        cudaMemcpyAsync(p.state, from, conv_state.size_bytes(), cudaMemcpyDeviceToDevice, stream);
     if (err != cudaSuccess) {
       return ffi::Error::Internal(std::string("jax_causal_conv: state copy: ") +
                                  cudaGetErrorString(err));
     }
   }
-  p.state = state;
-  p.y = y->untyped_data();
   return dispatch_dtype<__half, __nv_bfloat16>(
       x.element_type(), [&](auto types) {
         using Types = decltype(types);
