@@ -5,8 +5,13 @@
 # DIR/ncu_BDL.csv; then each kernel's time and grid, one line per launch.
 #   scripts/ncu_main.sh DIR
 #   SHAPE=8,2048,256 scripts/ncu_main.sh DIR
+#   LAYOUTS=BDL STALLS=1 scripts/ncu_main.sh DIR
 # KERNELS (a regex) widens the filter; '.' also profiles every kernel JAX runs while starting and
-# compiling, and did not finish the first layout in 200 s (tests/GPU.md, eighth session).
+# compiling, and did not finish the first layout in 200 s (tests/GPU.md, eighth session). Even the
+# default filter takes minutes to reach our kernels (ncu was still starting the program after
+# 136 s in the ninth session): give it a device call of its own, or one layout (LAYOUTS).
+# STALLS=1 adds each stall reason's warps per issued instruction (what the warps wait on), and
+# the summary names the four largest per launch.
 set -uo pipefail
 out=${1:?usage: scripts/ncu_main.sh DIR}
 shape=${SHAPE:-8,2048,4096}
@@ -15,7 +20,14 @@ metrics=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapse
 metrics+=,sm__throughput.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active
 metrics+=,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,smsp__inst_executed.sum
 metrics+=,launch__grid_size
-for layout in BLD BDL; do
+if [[ ${STALLS:-0} == 1 ]]; then
+  for reason in barrier branch_resolving dispatch_stall drain imc_miss lg_throttle long_scoreboard \
+      math_pipe_throttle membar mio_throttle misc no_instruction not_selected selected \
+      short_scoreboard sleeping tex_throttle wait; do
+    metrics+=,smsp__average_warps_issue_stalled_${reason}_per_issue_active.ratio
+  done
+fi
+for layout in ${LAYOUTS:-BLD BDL}; do
   csv="$out/ncu_$layout.csv"
   ncu --clock-control none --kernel-name regex:"$kernels" --metrics "$metrics" --csv \
     python3 benchmarks/profile_kernels.py --layout "$layout" --shape "$shape" >"$csv" 2>"$out/ncu_$layout.log"
@@ -34,5 +46,10 @@ for launch_id, m in sorted(launches.items(), key=lambda item: int(item[0])):
     print(f"  {launch_id:>4} {name:60} {m.get('gpu__time_duration.sum', '?'):>9} ns  grid {m.get('launch__grid_size', '?'):>7}"
           f"  dram {m.get('dram__throughput.avg.pct_of_peak_sustained_elapsed', '?'):>6}%"
           f"  regs {m.get('launch__registers_per_thread', '?')}")
+    stalls = {k.split("stalled_")[1].split("_per_issue")[0]: float(v.replace(",", ""))
+              for k, v in m.items() if "_issue_stalled_" in k}
+    if stalls:
+        top = sorted(stalls.items(), key=lambda item: -item[1])[:4]
+        print("       stalls per issue: " + ", ".join(f"{reason} {v:.2f}" for reason, v in top))
 PY
 done
