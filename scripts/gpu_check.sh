@@ -15,6 +15,8 @@
 #                                            # summary counts what it had run
 #   CMAKE_ARGS=-DCMAKE_CUDA_ARCHITECTURES=90 scripts/gpu_check.sh   # H100/H200 only: faster build
 #   STEPS="build bench" BENCH_ARGS="--cases main --impls ours,copy" scripts/gpu_check.sh
+#   STEPS="build trace" TRACE_SHAPES="8,2048,4096 8,2048,256" scripts/gpu_check.sh  # each op's
+#       kernels and their device times, both layouts (benchmarks/profile_kernels.py --trace)
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 STEPS=${STEPS:-"build tests examples"}
@@ -24,6 +26,7 @@ PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-0}  # seconds per shard; 0: no limit
 EXTREME_ARGS=${EXTREME_ARGS:-}
 DETERMINISM_ARGS=${DETERMINISM_ARGS:-}
 BENCH_ARGS=${BENCH_ARGS:-}
+TRACE_SHAPES=${TRACE_SHAPES:-"8,2048,4096 8,2048,256"}
 SANITIZE=${SANITIZE:-"memcheck unvalidated racecheck"}
 export PYTHONUNBUFFERED=1
 summary=()
@@ -147,6 +150,20 @@ if step extreme; then
   python3 scripts/extreme_sizes.py $EXTREME_ARGS >"$OUT/extreme.log" 2>&1
   summary+=("extreme sizes: exit $? ($(tail -1 "$OUT/extreme.log"))")
   grep -E "FAIL" "$OUT/extreme.log" | head -20
+fi
+
+if step trace; then
+  # Seconds a shape, where ncu takes minutes to start a JAX program.
+  for shape in $TRACE_SHAPES; do
+    for layout in BLD BDL; do
+      log="$OUT/trace_${layout}_${shape//,/x}.log"
+      python3 benchmarks/profile_kernels.py --layout "$layout" --shape "$shape" --trace 40 >"$log" 2>&1
+      sums=$(awk '/\(sum of medians/ {v[$1 == "copy" ? "copy " $2 : $1] = $NF}
+        END {if (!("fwd" in v)) {printf "no kernel times (see %s)", FILENAME; exit}
+             printf "fwd %s, bwd %s; copy fwd %s, bwd %s", v["fwd"], v["bwd"], v["copy fwd"], v["copy bwd"]}' "$log")
+      summary+=("trace $layout B,L,D=$shape, kernel us: $sums")
+    done
+  done
 fi
 
 if step bench; then
