@@ -14,6 +14,13 @@ says how an op's time splits between its kernels (the backward's second one, the
 reduction, included) and how much of a loop-timed op is kernel time:
 
     python3 benchmarks/profile_kernels.py --shape 8,2048,256 --trace 50
+
+With --update, the decode step instead (one token a row, shift mode, the state donated and passed
+from call to call, as bench.py's decode case; --shape B,1,D) and a copy of its bytes:
+
+    python3 benchmarks/profile_kernels.py --update --shape 256,1,8192 --trace 50
+
+x, dy, weight and bias are bf16 (bench.py's default: the params in x's dtype).
 """
 
 import argparse
@@ -97,6 +104,26 @@ def trace_ops(ops: dict, calls: int) -> None:
         print(f"{label:10} {'(sum of medians x launches per call)':48} {'':8} {total:10.2f}")
 
 
+def update_ops(batch: int, channels: int, width: int, layout: str) -> dict:
+    """The decode step and a copy of the same bytes (one read and one write of x and the state),
+    as trace_ops takes them: the step threads its donated state from call to call."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((batch, channels)), jnp.bfloat16)
+    state_shape = (batch, width - 1, channels) if layout == "BLD" else (batch, channels, width - 1)
+    state = [jnp.asarray(rng.standard_normal(state_shape), jnp.bfloat16)]
+    w = jnp.asarray(rng.standard_normal((channels, width)), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal(channels), jnp.bfloat16)
+    step = jax.jit(lambda x, s: jcc.causal_conv1d_update(x, s, w, b, activation="silu",
+                                                         layout=layout), donate_argnums=1)
+
+    def update():
+        y, state[0] = step(x, state[0])
+        return y
+
+    same_bytes = jnp.asarray(rng.standard_normal(x.size + state[0].size), jnp.bfloat16)
+    return {"update": (update, ()), "copy": (jax.jit(flip_sign), (same_bytes,))}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--layout", default="BLD", choices=("BLD", "BDL"))
@@ -105,14 +132,25 @@ def main():
                         help="batch,length,channels")
     parser.add_argument("--trace", type=int, default=0, metavar="N",
                         help="time N calls of each op (and of the copy) from a jax.profiler trace")
+    parser.add_argument("--update", action="store_true",
+                        help="the decode step (--shape B,1,D) instead of the forward and backward")
     args = parser.parse_args()
     batch, length, channels = args.shape
+    if args.update and length != 1:
+        parser.error(f"--update takes one token a row: --shape B,1,D, got length {length}")
+    if args.update and not args.trace:
+        parser.error("--update needs --trace N")
+    if args.update:
+        print(f"decode {args.layout} B={batch} D={channels} K={args.width} bf16, "
+              f"{args.trace} calls each, {jax.devices()[0].device_kind}")
+        trace_ops(update_ops(batch, channels, args.width, args.layout), args.trace)
+        return
     rng = np.random.default_rng(0)
     shape = (batch, length, channels) if args.layout == "BLD" else (batch, channels, length)
     x = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
     dy = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((channels, args.width)), jnp.float32)
-    b = jnp.asarray(rng.standard_normal(channels), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((channels, args.width)), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal(channels), jnp.bfloat16)
 
     def fwd(x, w, b):
         return jcc.causal_conv1d(x, w, b, activation="silu", layout=args.layout)

@@ -16,7 +16,8 @@
 #   CMAKE_ARGS=-DCMAKE_CUDA_ARCHITECTURES=90 scripts/gpu_check.sh   # H100/H200 only: faster build
 #   STEPS="build bench" BENCH_ARGS="--cases main --impls ours,copy" scripts/gpu_check.sh
 #   STEPS="build trace" TRACE_SHAPES="8,2048,4096 8,2048,256" scripts/gpu_check.sh  # each op's
-#       kernels and their device times, both layouts (benchmarks/profile_kernels.py --trace)
+#       kernels and their device times, both layouts, and the B=256 D=8192 decode step's
+#       (benchmarks/profile_kernels.py --trace)
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 STEPS=${STEPS:-"build tests examples"}
@@ -163,6 +164,15 @@ if step trace; then
              printf "fwd %s, bwd %s; copy fwd %s, bwd %s", v["fwd"], v["bwd"], v["copy fwd"], v["copy bwd"]}' "$log")
       summary+=("trace $layout B,L,D=$shape, kernel us: $sums")
     done
+  done
+  for layout in BLD BDL; do
+    log="$OUT/trace_decode_$layout.log"
+    python3 benchmarks/profile_kernels.py --update --layout "$layout" --shape 256,1,8192 --trace 40 \
+      >"$log" 2>&1
+    sums=$(awk '/\(sum of medians/ {v[$1] = $NF}
+      END {if (!("update" in v)) {printf "no kernel times (see %s)", FILENAME; exit}
+           printf "update %s; copy %s", v["update"], v["copy"]}' "$log")
+    summary+=("trace decode $layout B=256 D=8192, kernel us: $sums")
   done
 fi
 
