@@ -188,12 +188,19 @@ __global__ void __launch_bounds__(kThreads)
 // 32 lanes take 4x as many blocks, each thread with 4 loads in flight (H200, B=8 L=2048 D=256 bf16
 // backward 29.1 -> 23.0 us; at B=64 L=128 D=4096, 640 wide blocks, narrow ones lost 11%).
 constexpr int64_t kReduceMinBlocks = 256;
+constexpr int kWideColumns = 32, kNarrowColumns = 8;
+
+// The blocks of `columns` (channel, k) columns each that cover every weight group's columns.
+int64_t reduce_blocks(const ConvParams& p, int columns) {
+  return p.groups * ((p.channels * (p.width + 1) + columns - 1) / columns);
+}
 
 template <typename T, typename A, int kColumns, int kSums>
 void launch_reduce(cudaStream_t stream, const ConvParams& p, const A* partials, int64_t slices,
-                   int64_t blocks, void* dweight, void* dbias) {
+                   void* dweight, void* dbias) {
+  const int64_t blocks = std::min(kMaxGridBlocks, reduce_blocks(p, kColumns));
   reduce_partials_kernel<T, A, kColumns, kSums>
-      <<<std::max<int64_t>(std::min(kMaxGridBlocks, blocks), 1), kThreads, 0, stream>>>(
+      <<<std::max<int64_t>(blocks, 1), kThreads, 0, stream>>>(
           partials, p.groups, p.batch / p.groups, slices, p.channels, p.width, p.params_like_x,
           dweight, dbias);
 }
@@ -429,13 +436,10 @@ ffi::Error launch_backward(cudaStream_t stream, const ConvParams& p, void* dweig
       return err;
     }
   }
-  constexpr int kWide = 32, kNarrow = 8;
-  const int64_t wide_blocks = p.groups * ((per_slice + kWide - 1) / kWide);
-  if (wide_blocks >= kReduceMinBlocks) {
-    launch_reduce<T, A, kWide, 1>(stream, p, partials, slices, wide_blocks, dweight, dbias);
+  if (reduce_blocks(p, kWideColumns) >= kReduceMinBlocks) {
+    launch_reduce<T, A, kWideColumns, 1>(stream, p, partials, slices, dweight, dbias);
   } else {
-    const int64_t narrow_blocks = p.groups * ((per_slice + kNarrow - 1) / kNarrow);
-    launch_reduce<T, A, kNarrow, 4>(stream, p, partials, slices, narrow_blocks, dweight, dbias);
+    launch_reduce<T, A, kNarrowColumns, 4>(stream, p, partials, slices, dweight, dbias);
   }
   return cuda_status("reduce kernel");
 }
