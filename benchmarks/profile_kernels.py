@@ -84,8 +84,11 @@ def short_name(name: str) -> str:
 
 
 def trace_ops(ops: dict, calls: int) -> None:
-    """Prints each op's kernels: launches per call and median device time."""
+    """Prints each op's kernels: launches per call and median device time; last, one line of
+    each op's total (the sum of its kernels' medians x launches per call), which
+    scripts/gpu_check.sh reads."""
     print(f"{'op':10} {'kernel':48} {'per call':>8} {'median us':>10}")
+    totals = []
     for label, (fn, args) in ops.items():
         jax.block_until_ready(fn(*args))
         with tempfile.TemporaryDirectory() as tmp:
@@ -102,6 +105,8 @@ def trace_ops(ops: dict, calls: int) -> None:
             total += median * len(durations) / calls
             print(f"{label:10} {short_name(name):48} {len(durations) / calls:8.2f} {median:10.2f}")
         print(f"{label:10} {'(sum of medians x launches per call)':48} {'':8} {total:10.2f}")
+        totals.append(f"{label} {total:.2f}")
+    print("totals (us per call): " + (", ".join(totals) or "none"))
 
 
 def update_ops(batch: int, channels: int, width: int, layout: str) -> dict:

@@ -155,24 +155,21 @@ fi
 
 if step trace; then
   # Seconds a shape, where ncu takes minutes to start a JAX program.
+  trace() {  # log, profile_kernels.py arguments
+    local log=$1
+    shift
+    python3 benchmarks/profile_kernels.py "$@" --trace 40 >"$log" 2>&1
+    sed -n 's/^totals (us per call): //p' "$log" | grep -v '^none$' || echo "no kernel times (see $log)"
+  }
   for shape in $TRACE_SHAPES; do
     for layout in BLD BDL; do
-      log="$OUT/trace_${layout}_${shape//,/x}.log"
-      python3 benchmarks/profile_kernels.py --layout "$layout" --shape "$shape" --trace 40 >"$log" 2>&1
-      sums=$(awk '/\(sum of medians/ {v[$1 == "copy" ? "copy " $2 : $1] = $NF}
-        END {if (!("fwd" in v)) {printf "no kernel times (see %s)", FILENAME; exit}
-             printf "fwd %s, bwd %s; copy fwd %s, bwd %s", v["fwd"], v["bwd"], v["copy fwd"], v["copy bwd"]}' "$log")
-      summary+=("trace $layout B,L,D=$shape, kernel us: $sums")
+      summary+=("trace $layout B,L,D=$shape, kernel us: $(trace "$OUT/trace_${layout}_${shape//,/x}.log" \
+        --layout "$layout" --shape "$shape")")
     done
   done
   for layout in BLD BDL; do
-    log="$OUT/trace_decode_$layout.log"
-    python3 benchmarks/profile_kernels.py --update --layout "$layout" --shape 256,1,8192 --trace 40 \
-      >"$log" 2>&1
-    sums=$(awk '/\(sum of medians/ {v[$1] = $NF}
-      END {if (!("update" in v)) {printf "no kernel times (see %s)", FILENAME; exit}
-           printf "update %s; copy %s", v["update"], v["copy"]}' "$log")
-    summary+=("trace decode $layout B=256 D=8192, kernel us: $sums")
+    summary+=("trace decode $layout B=256 D=8192, kernel us: $(trace "$OUT/trace_decode_$layout.log" \
+      --update --layout "$layout" --shape 256,1,8192)")
   done
 fi
 
