@@ -228,10 +228,6 @@ int64_t grid_for_warps(int64_t items) {
   return std::max<int64_t>(1, std::min(kMaxGridBlocks, blocks));
 }
 
-// Warp items the channel-first kernels aim for: enough to fill an H200 a few times over (the
-// backward's are dearer to split, see backward_channel_first_kernel).
-constexpr int64_t kForwardRowItems = 32768;
-constexpr int64_t kBackwardRowItems = 16384;
 // Threads of kKernel (launched in blocks of block_threads) that the device holds at once, or 0 if
 // the runtime cannot say. Cached per device: the occupancy query costs host time on every launch.
 template <auto kKernel>
@@ -294,44 +290,59 @@ int64_t short_row_blocks(const ConvParams& p, int group) {
   return std::max<int64_t>(1, std::min(kMaxGridBlocks, (warps * kLanes + kThreads - 1) / kThreads));
 }
 
+// channel_first_chunk for kKernel's launch: its warp items of one chunk per row, and the warps the
+// device holds of it.
+template <auto kKernel, typename T, bool kMasked>
+int64_t channel_first_chunk_for(const ConvParams& p, int64_t max_segments) {
+  return channel_first_chunk(channel_first_items<kMasked>(p, 1), p.length, kLanes * kPack<T>,
+                             resident_threads<kKernel>(kChannelFirstThreads) / kLanes, max_segments);
+}
+
 // A thread's prologue as a cost in steps. The backward's tiles are at least kTileLen long: its
 // workspace holds tile_count(L) slices of dw/db sums per row.
 constexpr int64_t kPrologueSteps = 16;
-// Channel-last forward threads below which its pieces of time shrink from 64 steps, halving
-// down to kForwardMinChunk.
-constexpr int64_t kForwardMinThreads = 65536;
-constexpr int64_t kForwardMinChunk = 8;
+// Time steps per channel-last forward thread: 64 (fewer prologues: weights, halo rows, the ring's
+// first wait; 64 against 32 took the main workload from 104 to 85 us; pieces sized to one wave,
+// 171 steps, were slower: 90.6 against 82.6 us), halved down to 8 while that leaves fewer than
+// 32768 threads (B=8 L=2048 D=256, 512 columns: 32-step pieces 7.5 us, 16-step 7.8, 8-step 10.8).
+// Where 64 stays, the length from 48 to 64 with the fewest whole waves of `resident` threads x
+// (steps + halo): the main workload's 64-step pieces make 2.59 waves, its last 60% full, and
+// 56-step ones 2.99 (73.2 -> 72.3 us, kernel time).
+inline int64_t forward_time_chunk(int64_t columns, int64_t length, int64_t resident, int64_t halo) {
+  constexpr int64_t kLongest = 64, kShortest = 8, kFitFrom = 48, kMinThreads = 32768;
+  const auto threads_for = [&](int64_t chunk) { return columns * ((length + chunk - 1) / chunk); };
+  int64_t chunk = kLongest;
+  while (chunk > kShortest && threads_for(chunk) < kMinThreads) chunk /= 2;
+  if (chunk < kLongest || resident <= 0) return chunk;
+  const auto cost = [&](int64_t steps) {
+    return (threads_for(steps) + resident - 1) / resident * (steps + halo);
+  };
+  for (int64_t steps = kFitFrom; steps < kLongest; ++steps) {
+    if (cost(steps) < cost(chunk)) chunk = steps;
+  }
+  return chunk;
+}
 
 template <typename T, int K, bool kMasked>
 void launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
   if (p.channel_last) {
     constexpr int C = channels_per_thread<T, K, kForwardBudget>();
+    constexpr auto kernel = forward_channel_last_kernel<T, K, kMasked>;
     const int64_t columns = p.batch * (p.channels / C);
-    // 64 steps per thread (fewer prologues: weights, halo rows, the ring's first wait) unless
-    // that leaves too few threads; 64 against 32 took the main workload from 104 to 85 us. Pieces
-    // sized to one wave (steps_per_thread, 171 steps) were slower: 90.6 against 82.6 us. Small
-    // problems (D = 256 at B=8 L=2048: 512 columns) halve the pieces until the threads fill the
-    // GPU again.
-    const auto threads_for = [&](int64_t chunk) {
-      return columns * ((p.length + chunk - 1) / chunk);
-    };
-    int64_t time_chunk = 64;
-    while (time_chunk > kForwardMinChunk && threads_for(time_chunk) < kForwardMinThreads) {
-      time_chunk /= 2;
-    }
-    const int64_t threads = threads_for(time_chunk);
+    const int64_t time_chunk = forward_time_chunk(columns, p.length,
+                                                  resident_threads<kernel>(kForwardThreads), K - 1);
+    const int64_t threads = columns * ((p.length + time_chunk - 1) / time_chunk);
     const int64_t blocks = std::min(kMaxGridBlocks, (threads + kForwardThreads - 1) / kForwardThreads);
-    forward_channel_last_kernel<T, K, kMasked><<<blocks, kForwardThreads, 0, stream>>>(p, time_chunk);
+    kernel<<<blocks, kForwardThreads, 0, stream>>>(p, time_chunk);
   } else if (const int group = short_row_group(p.length, kPack<T>); group > 0) {
     constexpr auto kernel = forward_short_rows_kernel<T, K>;
     kernel<<<short_row_blocks<kernel>(p, group), kThreads, 0, stream>>>(p, group);
   } else {
-    const int64_t chunk_len =
-        channel_first_chunk(p.batch * p.channels, p.length, kLanes * kPack<T>, kForwardRowItems,
-                            forward_item_segments<kMasked>());
+    constexpr auto kernel = forward_channel_first_kernel<T, K, kMasked>;
+    const int64_t chunk_len = channel_first_chunk_for<kernel, T, kMasked>(
+        p, forward_item_segments<kMasked>());
     const int64_t items = channel_first_items<kMasked>(p, (p.length + chunk_len - 1) / chunk_len);
-    forward_channel_first_kernel<T, K, kMasked>
-        <<<grid_for_warps(items), kChannelFirstThreads, 0, stream>>>(p, chunk_len);
+    kernel<<<grid_for_warps(items), kChannelFirstThreads, 0, stream>>>(p, chunk_len);
   }
 }
 
@@ -356,13 +367,12 @@ int64_t launch_vector_backward(cudaStream_t stream, const ConvParams& p, float* 
     kernel<<<short_row_blocks<kernel>(p, group), kThreads, 0, stream>>>(p, partials, group);
     return 1;
   }
+  constexpr auto kernel = backward_channel_first_kernel<T, K, kMasked>;
   const int64_t chunk_len =
-      channel_first_chunk(p.batch * p.channels, p.length, kLanes * kPack<T>, kBackwardRowItems,
-                          backward_item_segments<kMasked>());
+      channel_first_chunk_for<kernel, T, kMasked>(p, backward_item_segments<kMasked>());
   const int64_t chunks = (p.length + chunk_len - 1) / chunk_len;
   const int64_t items = channel_first_items<kMasked>(p, chunks);
-  backward_channel_first_kernel<T, K, kMasked>
-      <<<grid_for_warps(items), kChannelFirstThreads, 0, stream>>>(p, partials, chunk_len);
+  kernel<<<grid_for_warps(items), kChannelFirstThreads, 0, stream>>>(p, partials, chunk_len);
   return chunks;
 }
 
