@@ -6,10 +6,10 @@
 #   scripts/ncu_main.sh DIR
 #   SHAPE=8,2048,256 scripts/ncu_main.sh DIR
 #   LAYOUTS=BDL STALLS=1 scripts/ncu_main.sh DIR
-# KERNELS (a regex) widens the filter; '.' also profiles every kernel JAX runs while starting and
-# compiling, and did not finish the first layout in 200 s (tests/GPU.md, eighth session). Even the
-# default filter takes minutes to reach our kernels (ncu was still starting the program after
-# 136 s in the ninth session): give it a device call of its own, or one layout (LAYOUTS).
+# KERNELS (a regex) sets the filter; '.' also profiles every kernel JAX runs while starting and
+# compiling, and did not finish the first layout in 200 s (tests/GPU.md, eighth session). Even a
+# narrow filter takes minutes to reach our kernels (one layout, two kernels: about 3 minutes in
+# the tenth session; still starting after 136 s in the ninth): give it a device call of its own.
 # STALLS=1 adds each stall reason's warps per issued instruction (what the warps wait on), and
 # the summary names the four largest per launch.
 set -uo pipefail
