@@ -16,7 +16,8 @@ reduction, included) and how much of a loop-timed op is kernel time:
     python3 benchmarks/profile_kernels.py --shape 8,2048,256 --trace 50
 
 With --update, the decode step instead (one token a row, shift mode, the state donated and passed
-from call to call, as bench.py's decode case; --shape B,1,D) and a copy of its bytes:
+from call to call, as bench.py's decode case; --shape B,1,D) and a copy of its bytes; without
+--trace, three steps for ncu (scripts/ncu_main.sh with UPDATE=1):
 
     python3 benchmarks/profile_kernels.py --update --shape 256,1,8192 --trace 50
 
@@ -143,12 +144,16 @@ def main():
     batch, length, channels = args.shape
     if args.update and length != 1:
         parser.error(f"--update takes one token a row: --shape B,1,D, got length {length}")
-    if args.update and not args.trace:
-        parser.error("--update needs --trace N")
     if args.update:
-        print(f"decode {args.layout} B={batch} D={channels} K={args.width} bf16, "
-              f"{args.trace} calls each, {jax.devices()[0].device_kind}")
-        trace_ops(update_ops(batch, channels, args.width, args.layout), args.trace)
+        ops = update_ops(batch, channels, args.width, args.layout)
+        if args.trace:
+            print(f"decode {args.layout} B={batch} D={channels} K={args.width} bf16, "
+                  f"{args.trace} calls each, {jax.devices()[0].device_kind}")
+            trace_ops(ops, args.trace)
+        else:  # under ncu: the first call compiles, then two steps
+            update, _ = ops["update"]
+            for _ in range(3):
+                jax.block_until_ready(update())
         return
     rng = np.random.default_rng(0)
     shape = (batch, length, channels) if args.layout == "BLD" else (batch, channels, length)

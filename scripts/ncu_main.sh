@@ -6,6 +6,7 @@
 #   scripts/ncu_main.sh DIR
 #   SHAPE=8,2048,256 scripts/ncu_main.sh DIR
 #   LAYOUTS=BDL STALLS=1 scripts/ncu_main.sh DIR
+#   UPDATE=1 STALLS=1 scripts/ncu_main.sh DIR   # the decode step (B=256 D=8192 unless SHAPE)
 # KERNELS (a regex) sets the filter; '.' also profiles every kernel JAX runs while starting and
 # compiling, and did not finish the first layout in 200 s (tests/GPU.md, eighth session). Even a
 # narrow filter takes minutes to reach our kernels (one layout, two kernels: about 3 minutes in
@@ -14,8 +15,15 @@
 # the summary names the four largest per launch.
 set -uo pipefail
 out=${1:?usage: scripts/ncu_main.sh DIR}
-shape=${SHAPE:-8,2048,4096}
-kernels=${KERNELS:-channel|reduce|short_rows}
+if [[ ${UPDATE:-0} == 1 ]]; then
+  shape=${SHAPE:-256,1,8192}
+  kernels=${KERNELS:-update}
+  mode=(--update)
+else
+  shape=${SHAPE:-8,2048,4096}
+  kernels=${KERNELS:-channel|reduce|short_rows}
+  mode=()
+fi
 metrics=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
 metrics+=,sm__throughput.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active
 metrics+=,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,smsp__inst_executed.sum
@@ -30,7 +38,7 @@ fi
 for layout in ${LAYOUTS:-BLD BDL}; do
   csv="$out/ncu_$layout.csv"
   ncu --clock-control none --kernel-name regex:"$kernels" --metrics "$metrics" --csv \
-    python3 benchmarks/profile_kernels.py --layout "$layout" --shape "$shape" >"$csv" 2>"$out/ncu_$layout.log"
+    python3 benchmarks/profile_kernels.py "${mode[@]}" --layout "$layout" --shape "$shape" >"$csv" 2>"$out/ncu_$layout.log"
   echo "ncu $layout $shape: exit $? ($(grep -c '^"' "$csv") rows)"
   python3 - "$csv" <<'PY'
 import csv, re, sys
