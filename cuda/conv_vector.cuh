@@ -652,6 +652,13 @@ __device__ __forceinline__ bool short_row_segments(const int32_t* row, const Sho
   return masked;
 }
 
+// The time of `work` threads (or warps) of `length` steps each when the device holds `resident`
+// at once: whole waves x (length + overhead), a partial last wave costing a whole one. The launch
+// rules below and in cuda_kernels.cu compare cuts of the time axis by it.
+inline int64_t waves_cost(int64_t work, int64_t resident, int64_t length, int64_t overhead) {
+  return (work + resident - 1) / resident * (length + overhead);
+}
+
 // A channel-first warp item's fixed cost in segments: its weights, halo and first loads' latency
 // before its stream flows. Fitted to B=8 L=2048 bf16 (tenth session's trial-items): each further
 // wave of items at D = 256 cost about 1.8 us forward and 3 us backward, some two segments' time.
@@ -680,7 +687,7 @@ inline int64_t channel_first_chunk(int64_t row_items, int64_t length, int64_t se
     const int64_t pieces = std::clamp(waves * resident_warps / rows, fewest, segments);
     const int64_t chunk = piece_segments(pieces);
     const int64_t items = rows * ((segments + chunk - 1) / chunk);
-    const int64_t cost = (items + resident_warps - 1) / resident_warps * (chunk + kItemOverheadSegments);
+    const int64_t cost = waves_cost(items, resident_warps, chunk, kItemOverheadSegments);
     if (best_cost < 0 || cost < best_cost) {
       best_cost = cost;
       best = chunk;

@@ -268,7 +268,7 @@ inline int64_t steps_per_thread(int64_t columns, int64_t length, int64_t residen
     const int64_t pieces = std::max<int64_t>(1, waves * resident / std::max<int64_t>(columns, 1));
     const int64_t steps = clamp((length + pieces - 1) / pieces);
     const int64_t threads = columns * ((length + steps - 1) / steps);
-    const int64_t cost = (threads + resident - 1) / resident * (steps + prologue_steps);
+    const int64_t cost = waves_cost(threads, resident, steps, prologue_steps);
     if (best_cost < 0 || cost < best_cost) {
       best_cost = cost;
       best_steps = steps;
@@ -314,9 +314,7 @@ inline int64_t forward_time_chunk(int64_t columns, int64_t length, int64_t resid
   int64_t chunk = kLongest;
   while (chunk > kShortest && threads_for(chunk) < kMinThreads) chunk /= 2;
   if (chunk < kLongest || resident <= 0) return chunk;
-  const auto cost = [&](int64_t steps) {
-    return (threads_for(steps) + resident - 1) / resident * (steps + halo);
-  };
+  const auto cost = [&](int64_t steps) { return waves_cost(threads_for(steps), resident, steps, halo); };
   for (int64_t steps = kFitFrom; steps < kLongest; ++steps) {
     if (cost(steps) < cost(chunk)) chunk = steps;
   }
