@@ -250,8 +250,8 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
     RawFor<T, V> x_ahead[kBackwardAhead], dy_ahead[kBackwardAhead];
     const auto fetch = [&](int64_t s, RawFor<T, V>& x_pack, RawFor<T, V>& dy_pack) {
       const int64_t t0 = s + lane * V;
-      x_pack = load_readonly_or_zero<T, V>(x_row + t0, t0 < loaded_end);
-      dy_pack = load_readonly_or_zero<T, V>(dy_row + t0, t0 < loaded_end);
+      x_pack = load_streaming_or_zero<T, V>(x_row + t0, t0 < loaded_end);
+      dy_pack = load_streaming_or_zero<T, V>(dy_row + t0, t0 < loaded_end);
     };
     for (int a = 0; a < kBackwardAhead; ++a) fetch(item.c0 + a * kSegment, x_ahead[a], dy_ahead[a]);
 
@@ -360,7 +360,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
       if (!kInterior && t0 < item.c1 && t0 + V > p.length - P) {
         for (int j = 0; j < V; ++j) g[j] += conv.final_state_grad(item.b, t0 + j, item.d);
       }
-      if (kInterior || t0 < item.c1) store_vec(dx_row + t0, from_floats<T, V>(g));
+      if (kInterior || t0 < item.c1) store_streaming(dx_row + t0, from_floats<T, V>(g));
       current = next;
     };
     int64_t s = item.c0;

@@ -1,9 +1,11 @@
-"""Forward and backward on a few shapes, for compute-sanitizer (memcheck, racecheck).
+"""Forward and backward on a few shapes, then decode steps, for compute-sanitizer (memcheck, racecheck).
 
 Covers both layouts, seq_idx cases with padding (one boundary, or many so that kernels which skip
 the boundary tests inside a segment take both paths), an L < K-1 case with states, a long
 generic-K case, channel-first rows long and many enough for the backward's edge-free segments,
-short channel-first rows of a few packs, and checks each result against the reference so a wrong
+short channel-first rows of a few packs, decode steps of the one-token kernel (channel-last,
+channel-first with and without the shared-memory staging, ring mode, a pool with padding rows)
+and of the generic one, and checks each result against the reference so a wrong
 answer also fails the run. Each printed line starts with the case's index; `--start N` runs the
 cases from index N on (scripts/gpu_check.sh resumes with it after a sanitizer crash).
 """
@@ -47,15 +49,57 @@ CASES = [
     (8, 256, 64, 8, "BDL", jnp.float16, 4, False),
 ]
 
+UPDATE_CASES = [
+    # batch, channels, width, layout, dtype, ring mode (cache_seqlens), state pool rows (0: none)
+    (7, 512, 4, "BDL", jnp.bfloat16, False, 0),  # staged: channel vectors a multiple of 32
+    (7, 512, 8, "BDL", jnp.float32, False, 9),
+    (5, 48, 4, "BDL", jnp.bfloat16, False, 0),   # not staged: 6 vectors
+    (5, 48, 3, "BLD", jnp.float16, True, 9),
+    (3, 20, 4, "BDL", jnp.float32, True, 0),     # channel-first ring: one channel a thread
+    (3, 24, 12, "BLD", jnp.bfloat16, False, 0),  # generic kernel: width past the compiled ones
+]
+
+
+def check_update(index):
+    """One decode step of UPDATE_CASES[index]: y and the new state against the reference."""
+    batch, channels, width, layout, dtype, ring, pool = UPDATE_CASES[index]
+    rng = np.random.default_rng(100 + index)
+    rows = pool or batch
+    s_shape = (rows, width - 1, channels) if layout == "BLD" else (rows, channels, width - 1)
+    x = jnp.asarray(rng.standard_normal((batch, channels)), dtype)
+    state = jnp.asarray(rng.standard_normal(s_shape), dtype)
+    w = jnp.asarray(rng.standard_normal((channels, width)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal(channels), jnp.float32)
+    kwargs = dict(activation="silu", layout=layout)
+    if ring:
+        kwargs["cache_seqlens"] = jnp.asarray(rng.integers(0, 3 * width, batch), jnp.int32)
+    if pool:
+        indices = rng.permutation(pool + 1)[:batch] - 1  # -1 and pool: padding rows
+        kwargs["state_indices"] = jnp.asarray(indices, jnp.int32)
+    y, new_state = jax.jit(lambda *a: jcc.causal_conv1d_update(*a, **kwargs))(x, state, w, b)
+    f64 = [jnp.asarray(a, jnp.float64) for a in (x, state, w, b)]
+    y_ref, _ = jcc.reference.causal_conv1d_update(*f64, **kwargs)
+    _, state_ref = jcc.reference.causal_conv1d_update(x, state, w, b, **kwargs)
+    err = float(jnp.linalg.norm(y.astype(jnp.float64) - y_ref) / jnp.linalg.norm(y_ref))
+    tol = {jnp.float32: 1e-5, jnp.float64: 1e-12, jnp.float16: 2e-3, jnp.bfloat16: 1e-2}[dtype]
+    same_state = bool(np.array_equal(np.asarray(new_state), np.asarray(state_ref)))
+    status = "ok" if err <= tol * 10 and same_state else "MISMATCH"
+    print(len(CASES) + index, "update", batch, channels, width, layout, jnp.dtype(dtype).name,
+          "ring" if ring else "shift", pool, "%.1e" % err, "state equal" if same_state else
+          "state differs", status, flush=True)
+    if status != "ok":
+        raise SystemExit(1)
+
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--start", type=int, default=0,
                         help="index of the first case to run (to resume after a sanitizer crash)")
     args = parser.parse_args(argv)
-    if not 0 <= args.start <= len(CASES):
-        parser.error(f"--start must be in [0, {len(CASES)}], got {args.start}")
-    print(f"cases {args.start} to {len(CASES) - 1} of {len(CASES)} cases", flush=True)
+    total = len(CASES) + len(UPDATE_CASES)
+    if not 0 <= args.start <= total:
+        parser.error(f"--start must be in [0, {total}], got {args.start}")
+    print(f"cases {args.start} to {total - 1} of {total} cases", flush=True)
     for index in range(args.start, len(CASES)):
         batch, length, channels, width, layout, dtype, segments, with_state = CASES[index]
         # Per case, so that a resumed run gives each case the inputs of a whole run.
@@ -92,6 +136,8 @@ def main(argv=None):
               with_state, ["%.1e" % e for e in errs], status, flush=True)
         if status != "ok":
             raise SystemExit(1)
+    for index in range(max(args.start - len(CASES), 0), len(UPDATE_CASES)):
+        check_update(index)
 
 
 if __name__ == "__main__":

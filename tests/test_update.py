@@ -141,6 +141,18 @@ def test_one_token_widths(dtype, layout, width, dev):
         one_token_check(rng, dtype, layout, mode, 5, 24, width, dev, pool=6, indices=[2, 5, -1, 0, 4])
 
 
+# Channel-first, where the channel vectors are a multiple of 32, the GPU's one-token kernel stages
+# each warp's state through shared memory: D = 512 is 32 to 256 vectors in every dtype, B = 7 leaves
+# a row tile short, and the pool has padding rows.
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("width", range(2, 9))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_token_staged(dtype, width, dev):
+    rng = np.random.default_rng(170 + DTYPES.index(dtype) * 8 + width)
+    one_token_check(rng, dtype, "BDL", "shift", 7, 512, width, dev)
+    one_token_check(rng, dtype, "BDL", "shift", 7, 512, width, dev, pool=9, indices=[3, -1, 0, 8, 9, 5, 1])
+
+
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mode", MODES)
