@@ -122,10 +122,10 @@ def main(argv=None):
                          return_final_state=True, layout=layout)
             return jnp.sum(y.astype(jnp.float64) ** 2) + jnp.sum(final.astype(jnp.float64))
 
-        args = (x, w, b, s)
+        inputs = (x, w, b, s)
         argnums = (0, 1, 2, 3) if with_state else (0, 1, 2)
-        grads = jax.jit(jax.grad(lambda *a: loss(jcc.causal_conv1d, *a), argnums=argnums))(*args)
-        f64 = [None if a is None else jnp.asarray(a, jnp.float64) for a in args]
+        grads = jax.jit(jax.grad(lambda *a: loss(jcc.causal_conv1d, *a), argnums=argnums))(*inputs)
+        f64 = [None if a is None else jnp.asarray(a, jnp.float64) for a in inputs]
         ref = jax.grad(lambda *a: loss(jcc.reference.causal_conv1d, *a), argnums=argnums)(*f64)
         errs = [float(jnp.linalg.norm(g.astype(jnp.float64) - r) / jnp.linalg.norm(r))
                 for g, r in zip(grads, ref)]
