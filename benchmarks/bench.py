@@ -480,6 +480,12 @@ def make_params(rng, case, param_dtype: Optional[str] = None):
     return w, b
 
 
+def packed_seq_idx(rng, batch: int, length: int):
+    """seq_idx of four packed sequences per row, at random boundaries (the features cases')."""
+    cuts = np.sort(rng.choice(np.arange(1, length), size=(batch, 3), replace=True), axis=1)
+    return jnp.asarray((np.arange(length)[None, :, None] >= cuts[:, None, :]).sum(-1), jnp.int32)
+
+
 def make_inputs(case: Case, n_sets: int, seed: int = 0, param_dtype: Optional[str] = None):
     """n_sets tuples (x, w, b, s0, seq, dy, dF); w and b (and seq_idx) shared by all sets.
 
@@ -490,9 +496,7 @@ def make_inputs(case: Case, n_sets: int, seed: int = 0, param_dtype: Optional[st
     w, b = make_params(rng, case, param_dtype)
     seq = None
     if case.features:
-        # four segments per row at random boundaries
-        cuts = np.sort(rng.choice(np.arange(1, case.L), size=(case.B, 3), replace=True), axis=1)
-        seq = jnp.asarray((np.arange(case.L)[None, :, None] >= cuts[:, None, :]).sum(-1), jnp.int32)
+        seq = packed_seq_idx(rng, case.B, case.L)
     key = jax.random.PRNGKey(seed)
     sets = []
     for _ in range(n_sets):

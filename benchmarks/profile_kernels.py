@@ -21,6 +21,12 @@ from call to call, as bench.py's decode case; --shape B,1,D) and a copy of its b
 
     python3 benchmarks/profile_kernels.py --update --shape 256,1,8192 --trace 50
 
+With --features, bench.py's features case instead of the plain call: four packed sequences a row
+(seq_idx), an initial state, the final state returned, and the backward from dy and a final-state
+cotangent (dx, dw, db and the initial state's gradient):
+
+    python3 benchmarks/profile_kernels.py --layout BDL --features --trace 50
+
 x, dy, weight and bias are bf16 (bench.py's default: the params in x's dtype).
 """
 
@@ -41,7 +47,7 @@ import numpy as np
 import jax_causal_conv as jcc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import flip_sign  # noqa: E402  (the copy's forward, as bench.py times it)
+from bench import flip_sign, packed_seq_idx  # noqa: E402  (as bench.py times and builds them)
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -140,10 +146,14 @@ def main():
                         help="time N calls of each op (and of the copy) from a jax.profiler trace")
     parser.add_argument("--update", action="store_true",
                         help="the decode step (--shape B,1,D) instead of the forward and backward")
+    parser.add_argument("--features", action="store_true",
+                        help="with seq_idx (four packed sequences a row), initial and final states")
     args = parser.parse_args()
     batch, length, channels = args.shape
     if args.update and length != 1:
         parser.error(f"--update takes one token a row: --shape B,1,D, got length {length}")
+    if args.update and args.features:
+        parser.error("--features is for the forward and backward, not --update")
     if args.update:
         ops = update_ops(batch, channels, args.width, args.layout)
         if args.trace:
@@ -161,27 +171,37 @@ def main():
     dy = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((channels, args.width)), jnp.bfloat16)
     b = jnp.asarray(rng.standard_normal(channels), jnp.bfloat16)
+    state, dy_state, kwargs = (), (), dict(activation="silu", layout=args.layout)
+    if args.features:
+        state_shape = ((batch, args.width - 1, channels) if args.layout == "BLD"
+                       else (batch, channels, args.width - 1))
+        state = (jnp.asarray(rng.standard_normal(state_shape), jnp.bfloat16),)
+        dy_state = (jnp.asarray(rng.standard_normal(state_shape), jnp.bfloat16),)
+        kwargs.update(seq_idx=packed_seq_idx(rng, batch, length), return_final_state=True)
 
-    def fwd(x, w, b):
-        return jcc.causal_conv1d(x, w, b, activation="silu", layout=args.layout)
+    def fwd(x, w, b, *state):  # state: the initial state with --features, else none
+        return jcc.causal_conv1d(x, w, b, initial_state=state[0] if state else None, **kwargs)
 
-    def bwd(x, w, b, dy):
-        return jax.vjp(fwd, x, w, b)[1](dy)
+    def bwd(x, w, b, *state_and_cotangents):
+        state, cotangents = state_and_cotangents[:len(dy_state)], state_and_cotangents[len(dy_state):]
+        _, vjp = jax.vjp(fwd, x, w, b, *state)
+        return vjp(tuple(cotangents) if args.features else cotangents[0])
 
     fwd_jit, bwd_jit = jax.jit(fwd), jax.jit(bwd)
+    fwd_args, bwd_args = (x, w, b, *state), (x, w, b, *state, dy, *dy_state)
     if args.trace:
-        print(f"{args.layout} B={batch} L={length} D={channels} K={args.width} bf16, "
-              f"{args.trace} calls each, {jax.devices()[0].device_kind}")
+        print(f"{args.layout} B={batch} L={length} D={channels} K={args.width} bf16"
+              f"{' +seq_idx+states' if args.features else ''}, {args.trace} calls each, "
+              f"{jax.devices()[0].device_kind}")
         # bench.py's roofline: one read and one write (fwd), two reads and one write (bwd).
         copy_fwd = jax.jit(flip_sign)
         copy_bwd = jax.jit(lambda x, dy: dy - x)
-        trace_ops({"fwd": (fwd_jit, (x, w, b)), "bwd": (bwd_jit, (x, w, b, dy)),
+        trace_ops({"fwd": (fwd_jit, fwd_args), "bwd": (bwd_jit, bwd_args),
                    "copy fwd": (copy_fwd, (x,)), "copy bwd": (copy_bwd, (x, dy))}, args.trace)
         return
-    jax.block_until_ready(fwd_jit(x, w, b))
-    jax.block_until_ready(bwd_jit(x, w, b, dy))
-    jax.block_until_ready(fwd_jit(x, w, b))
-    jax.block_until_ready(bwd_jit(x, w, b, dy))
+    for _ in range(2):
+        jax.block_until_ready(fwd_jit(*fwd_args))
+        jax.block_until_ready(bwd_jit(*bwd_args))
 
 
 if __name__ == "__main__":

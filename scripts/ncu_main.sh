@@ -7,6 +7,8 @@
 #   SHAPE=8,2048,256 scripts/ncu_main.sh DIR
 #   LAYOUTS=BDL STALLS=1 scripts/ncu_main.sh DIR
 #   UPDATE=1 STALLS=1 scripts/ncu_main.sh DIR   # the decode step (B=256 D=8192 unless SHAPE)
+#   FEATURES=1 LAYOUTS=BDL scripts/ncu_main.sh DIR  # with seq_idx (4 packed sequences a row) and
+#                                                     # states: bench.py's features case
 # KERNELS (a regex) sets the filter; '.' also profiles every kernel JAX runs while starting and
 # compiling, and did not finish the first layout in 200 s (tests/GPU.md, eighth session). Even a
 # narrow filter takes minutes to reach our kernels (one layout, two kernels: about 3 minutes in
@@ -23,11 +25,12 @@ else
   shape=${SHAPE:-8,2048,4096}
   kernels=${KERNELS:-channel|reduce|short_rows}
   mode=()
+  [[ ${FEATURES:-0} == 1 ]] && mode=(--features)
 fi
 metrics=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
 metrics+=,sm__throughput.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active
 metrics+=,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,smsp__inst_executed.sum
-metrics+=,launch__grid_size
+metrics+=,launch__grid_size,dram__bytes_read.sum,dram__bytes_write.sum
 if [[ ${STALLS:-0} == 1 ]]; then
   for reason in barrier branch_resolving dispatch_stall drain imc_miss lg_throttle long_scoreboard \
       math_pipe_throttle membar mio_throttle misc no_instruction not_selected selected \
@@ -49,13 +52,17 @@ launches = {}
 for r in rows:
     launch = launches.setdefault(r[col["ID"]], {"name": r[col["Kernel Name"]]})
     launch[r[col["Metric Name"]]] = r[col["Metric Value"]]
+    if "Metric Unit" in head:  # the DRAM bytes come in the unit ncu picks (Kbyte, Mbyte, ...)
+        launch[r[col["Metric Name"]] + " unit"] = r[head.index("Metric Unit")]
 for launch_id, m in sorted(launches.items(), key=lambda item: int(item[0])):
     name = m["name"].replace("(anonymous namespace)::", "").removeprefix("void ").split("(")[0].removeprefix("causal_conv::")[:60]
     print(f"  {launch_id:>4} {name:60} {m.get('gpu__time_duration.sum', '?'):>9} ns  grid {m.get('launch__grid_size', '?'):>7}"
           f"  dram {m.get('dram__throughput.avg.pct_of_peak_sustained_elapsed', '?'):>6}%"
-          f"  regs {m.get('launch__registers_per_thread', '?')}")
+          f"  regs {m.get('launch__registers_per_thread', '?')}"
+          f"  dram read {m.get('dram__bytes_read.sum', '?')} {m.get('dram__bytes_read.sum unit', '')}"
+          f" write {m.get('dram__bytes_write.sum', '?')} {m.get('dram__bytes_write.sum unit', '')}")
     stalls = {k.split("stalled_")[1].split("_per_issue")[0]: float(v.replace(",", ""))
-              for k, v in m.items() if "_issue_stalled_" in k}
+              for k, v in m.items() if "_issue_stalled_" in k and not k.endswith(" unit")}
     if stalls:
         top = sorted(stalls.items(), key=lambda item: -item[1])[:4]
         print("       stalls per issue: " + ", ".join(f"{reason} {v:.2f}" for reason, v in top))
