@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""Counts a CUDA kernel's SASS instructions by kind, loop by loop, without a GPU.
+
+Compiles the CUDA module's kernels to a cubin for one architecture, disassembles the kernels
+whose demangled names match --kernel with cuobjdump, finds their loops (a predicated branch back
+to an earlier address) and prints, for each loop of at least --min-loop instructions, its size
+and its instructions by kind (FP32 arithmetic, MUFU, conversions, shuffles, moves, address
+arithmetic, memory, ...), also divided by --per (the elements a lane handles per iteration, to
+compare with ncu's instructions executed per element). The whole kernel's count comes last.
+
+    python3 scripts/sass_census.py --kernel 'backward_channel_first_kernel<__nv_bfloat16, 4, false'
+
+The CUDA toolkit here (nvcc) has no cuobjdump; pip has it (the wheel needs no GPU):
+
+    python3 -m pip install --target /tmp/cuda-tools nvidia-cuda-cuobjdump
+    python3 scripts/sass_census.py --cuobjdump /tmp/cuda-tools/nvidia/cu13/bin/cuobjdump ...
+
+Counts are static (instructions in the loop body, not executed ones); a loop's iterations times
+its size, plus the code outside it, should come close to ncu's smsp__inst_executed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (kind, test on the opcode's base name and the operands); the first match names an instruction's
+# kind.
+KINDS = [
+    ("fp32 arithmetic", lambda base, op, args: base in ("FFMA", "FMUL", "FADD", "FMNMX")),
+    ("mufu (ex2, rcp, ...)", lambda base, op, args: base == "MUFU"),
+    ("fp32 select", lambda base, op, args: base == "FSEL"),
+    ("conversion (F2F, F2FP, I2F, ...)",
+     lambda base, op, args: base in ("F2F", "F2FP", "I2F", "F2I", "PRMT")),
+    ("16-bit unpack (shift, mask)",
+     lambda base, op, args: base in ("SHF", "LOP3") or (op == "IMAD.U32" and "0x10000" in args)),
+    ("shuffle", lambda base, op, args: base == "SHFL"),
+    ("select (SEL)", lambda base, op, args: base == "SEL"),
+    ("move", lambda base, op, args: base in ("MOV", "CS2R", "UMOV") or op == "IMAD.MOV.U32"),
+    ("compare (ISETP, FSETP)", lambda base, op, args: base in ("ISETP", "FSETP", "PLOP3")),
+    ("integer / address arithmetic",
+     lambda base, op, args: base in ("IADD3", "IMAD", "LEA", "IADD", "IABS", "IMNMX")),
+    ("global load", lambda base, op, args: base == "LDG"),
+    ("global store", lambda base, op, args: base == "STG"),
+    ("shared memory",
+     lambda base, op, args: base in ("LDS", "STS", "LDGSTS", "LDGDEPBAR", "DEPBAR")),
+    ("local memory (spills)", lambda base, op, args: base in ("LDL", "STL")),
+    ("constant load", lambda base, op, args: base in ("LDC", "ULDC")),
+    ("branch, sync",
+     lambda base, op, args: base in ("BRA", "BSSY", "BSYNC", "EXIT", "WARPSYNC", "BAR", "NOP")),
+]
+
+LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+BRANCH_BACK = re.compile(r"^@!?U?P\w+\s+BRA\b.*?(0x[0-9a-f]+)")
+
+
+def kind_of(text: str) -> str:
+    body = re.sub(r"^@!?U?P\w+\s+", "", text)
+    op, _, args = body.partition(" ")
+    for kind, test in KINDS:
+        if test(op.split(".")[0], op, args):
+            return kind
+    return "other"
+
+
+def functions(sass: str) -> dict[str, list[tuple[int, str]]]:
+    """Each function of cuobjdump -sass output: (address, instruction text) in order."""
+    out: dict[str, list[tuple[int, str]]] = {}
+    name = None
+    for line in sass.splitlines():
+        m = re.match(r"\s*Function : (\S+)", line)
+        if m:
+            name = m.group(1)
+            out[name] = []
+            continue
+        m = LINE.search(line)
+        if m and name is not None:
+            out[name].append((int(m.group(1), 16), m.group(2)))
+    return out
+
+
+def demangle(names: list[str]) -> dict[str, str]:
+    filt = shutil.which("c++filt")
+    if filt is None:
+        return {n: n for n in names}
+    result = subprocess.run([filt], input="\n".join(names), capture_output=True, text=True,
+                            check=True)
+    return dict(zip(names, result.stdout.splitlines()))
+
+
+def census(instructions: list[tuple[int, str]]) -> collections.Counter:
+    return collections.Counter(kind_of(text) for _, text in instructions)
+
+
+def print_census(title: str, counts: collections.Counter, per: float) -> None:
+    total = sum(counts.values())
+    print(f"  {title}: {total} instructions, {total / per:.2f} per element")
+    for kind, n in counts.most_common():
+        print(f"    {kind:36s} {n:5d} {n / per:7.2f}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--kernel", required=True,
+                        help="a regular expression searched in the demangled kernel names")
+    parser.add_argument("--source", default=os.path.join(ROOT, "cuda", "cuda_kernels.cu"))
+    parser.add_argument("--arch", default="sm_90")
+    parser.add_argument("--per", type=float, default=8.0,
+                        help="elements a lane handles per loop iteration (8: bf16 channel-first)")
+    parser.add_argument("--min-loop", type=int, default=40,
+                        help="loops with fewer instructions are not printed")
+    parser.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump")
+    parser.add_argument("--nvcc", default=shutil.which("nvcc") or "nvcc")
+    args = parser.parse_args(argv)
+    if shutil.which(args.cuobjdump) is None and not os.path.exists(args.cuobjdump):
+        parser.error(f"no cuobjdump at {args.cuobjdump!r}: see this script's docstring for the "
+                     "pip wheel that has it")
+    try:
+        import jaxlib  # noqa: F401  (the XLA FFI headers ship with jaxlib)
+        ffi_include = os.path.join(os.path.dirname(jaxlib.__file__), "include")
+    except ImportError:
+        parser.error("jaxlib is not importable: its include directory has the XLA FFI headers")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "kernels.cubin")
+        built = subprocess.run([args.nvcc, "-O3", "-std=c++17", "--expt-relaxed-constexpr",
+                                f"-arch={args.arch}", "-cubin", "-I", os.path.join(ROOT, "cuda"),
+                                "-I", ffi_include, args.source, "-o", cubin],
+                               capture_output=True, text=True)
+        if built.returncode != 0:  # its warnings (the XLA FFI headers have some) only then
+            print(built.stderr, file=sys.stderr)
+            return built.returncode
+        sass = subprocess.run([args.cuobjdump, "-sass", cubin], capture_output=True, text=True,
+                              check=True).stdout
+    funcs = functions(sass)
+    names = demangle(list(funcs))
+    pattern = re.compile(args.kernel)
+    matched = [f for f in funcs if pattern.search(names[f])]
+    if not matched:
+        print(f"no kernel matches {args.kernel!r} among {len(funcs)}", file=sys.stderr)
+        return 1
+    for f in matched:
+        code = funcs[f]
+        print(names[f])
+        loops = []  # (start, end) of each backward branch's body
+        for address, text in code:
+            m = BRANCH_BACK.search(text)
+            if m and int(m.group(1), 16) < address:
+                loops.append((int(m.group(1), 16), address))
+        for start, end in loops:
+            body = [(a, t) for a, t in code if start <= a <= end]
+            inner = sum(1 for s, e in loops if (s, e) != (start, end) and start <= s and e <= end)
+            if len(body) >= args.min_loop:
+                nested = f" (holds {inner} inner loops, counted again)" if inner else ""
+                print_census(f"loop {start:#06x}-{end:#06x}{nested}", census(body), args.per)
+        print_census("whole kernel (static)", census(code), args.per)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
