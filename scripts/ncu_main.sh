@@ -48,21 +48,22 @@ import csv, re, sys
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
 head, rows = rows[0], rows[1:]
 col = {name: head.index(name) for name in ("ID", "Kernel Name", "Metric Name", "Metric Value")}
-launches = {}
+unit_col = head.index("Metric Unit") if "Metric Unit" in head else None
+launches, units = {}, {}  # units: the DRAM bytes come in the unit ncu picks (Kbyte, Mbyte, ...)
 for r in rows:
     launch = launches.setdefault(r[col["ID"]], {"name": r[col["Kernel Name"]]})
     launch[r[col["Metric Name"]]] = r[col["Metric Value"]]
-    if "Metric Unit" in head:  # the DRAM bytes come in the unit ncu picks (Kbyte, Mbyte, ...)
-        launch[r[col["Metric Name"]] + " unit"] = r[head.index("Metric Unit")]
+    if unit_col is not None:
+        units[r[col["Metric Name"]]] = r[unit_col]
 for launch_id, m in sorted(launches.items(), key=lambda item: int(item[0])):
     name = m["name"].replace("(anonymous namespace)::", "").removeprefix("void ").split("(")[0].removeprefix("causal_conv::")[:60]
     print(f"  {launch_id:>4} {name:60} {m.get('gpu__time_duration.sum', '?'):>9} ns  grid {m.get('launch__grid_size', '?'):>7}"
           f"  dram {m.get('dram__throughput.avg.pct_of_peak_sustained_elapsed', '?'):>6}%"
           f"  regs {m.get('launch__registers_per_thread', '?')}"
-          f"  dram read {m.get('dram__bytes_read.sum', '?')} {m.get('dram__bytes_read.sum unit', '')}"
-          f" write {m.get('dram__bytes_write.sum', '?')} {m.get('dram__bytes_write.sum unit', '')}")
+          f"  dram read {m.get('dram__bytes_read.sum', '?')} {units.get('dram__bytes_read.sum', '')}"
+          f" write {m.get('dram__bytes_write.sum', '?')} {units.get('dram__bytes_write.sum', '')}")
     stalls = {k.split("stalled_")[1].split("_per_issue")[0]: float(v.replace(",", ""))
-              for k, v in m.items() if "_issue_stalled_" in k and not k.endswith(" unit")}
+              for k, v in m.items() if "_issue_stalled_" in k}
     if stalls:
         top = sorted(stalls.items(), key=lambda item: -item[1])[:4]
         print("       stalls per issue: " + ", ".join(f"{reason} {v:.2f}" for reason, v in top))
