@@ -166,17 +166,24 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
 // delta of a channel-first lane's pack from xs = x_{t0-P} .. x_{t0+V-1} and dy (0 where the
 // outputs do not exist, or with kSelect are padding), and where accumulate its terms of dw and db
 // (dw[K]). With kSelect, seq_idx's masks, segments[j] being the entry of xs[j]; without, every tap.
-template <bool kSelect, int K, int V>
+// silu: a bool, or a std::bool_constant where the kernel chose the activation once at its start.
+template <bool kSelect, int K, int V, typename Silu>
 __device__ __forceinline__ void channel_first_deltas(const float (&w)[K][1], float bias,
                                                      const float (&xs)[K - 1 + V],
                                                      const float (&dy)[V], const int32_t* segments,
-                                                     bool exists, bool accumulate, bool silu,
+                                                     bool exists, bool accumulate, Silu silu,
                                                      float (&delta)[V], float (&dw)[K + 1]) {
   constexpr int P = K - 1;
   for (int v = 0; v < V; ++v) {
     const float z = channel_first_pre_activation<kSelect>(w, bias, xs, segments, v);
     const bool output = exists && !(kSelect && segments[P + v] < 0);
-    delta[v] = output ? dy[v] * activation_grad(z, silu) : 0.0f;
+    float d;
+    if constexpr (std::is_same_v<Silu, bool>) {
+      d = dy[v] * activation_grad(z, silu);
+    } else {
+      d = activation_vjp<Silu::value>(dy[v], z);
+    }
+    delta[v] = output ? d : 0.0f;
     if (accumulate) {
       dw[K] += delta[v];
       for (int k = 0; k < K; ++k) {
@@ -187,8 +194,34 @@ __device__ __forceinline__ void channel_first_deltas(const float (&w)[K][1], flo
   }
 }
 
-// Segments whose x and dy packs a channel-first lane has in flight.
+// Segments whose x and dy packs a channel-first lane has in flight, through a cp.async ring (a
+// register queue of them cost a move per word per segment: 34 of the loop's 285 instructions).
 constexpr int kBackwardAhead = 2;
+
+// With P <= V the halos cost one shuffle per value: rotate_advance takes the P values before a
+// lane's pack from lane l - 1 (lane 0: from carry, which it then replaces with lane 31's, the P
+// values before the next segment; carry holds them in lane 0 only); rotate_halo_after the P after
+// it from lane l + 1, lane 0 sending the next segment's first values to lane 31. Every lane must
+// call them. halo_before / halo_after (any P) took two shuffles per value and a select.
+template <int P, int V>
+__device__ __forceinline__ void rotate_advance(const float (&own)[V], int lane, float (&carry)[P],
+                                               float (&xs)[P + V]) {
+  static_assert(P <= V, "the P values before a pack are lane l - 1's");
+  for (int j = 0; j < P; ++j) {
+    const float rotated = __shfl_sync(kFullWarp, own[V - P + j], (lane + kLanes - 1) % kLanes);
+    xs[j] = lane == 0 ? carry[j] : rotated;
+    carry[j] = rotated;
+  }
+  for (int v = 0; v < V; ++v) xs[P + v] = own[v];
+}
+template <int P, int V>
+__device__ __forceinline__ void rotate_halo_after(const float (&own)[V], const float (&next)[V],
+                                                  int lane, float (&out)[P]) {
+  static_assert(P <= V, "the P values after a pack are lane l + 1's");
+  for (int m = 0; m < P; ++m) {
+    out[m] = __shfl_sync(kFullWarp, lane == 0 ? next[m] : own[m], (lane + 1) % kLanes);
+  }
+}
 
 // delta of one channel-first segment, V times per lane.
 template <int V>
@@ -205,10 +238,12 @@ struct SegmentDelta {
 // 175.0 with B=8 L=2048 D=4096; at K = 7 it gained nothing (185.4 against 186.7) and at K = 8
 // it lost (204.4 against 194.7). At 4 blocks (128 registers) no unmasked kernel spills, nor do
 // the masked ones up to K = 5 (at most 12 bytes); the masked ones above K = 5 would spill 24-144
-// bytes there and are left free.
+// bytes there and get 3 blocks (168 registers; 16-bit K = 8 spills 24 bytes): left free, with the
+// load ring and the activation chosen at the kernel's start, they took 230-244 (2 blocks).
+// With those two, no kernel up to K = 7 spills at these caps.
 template <typename T, int K, bool kMasked>
 constexpr int channel_first_backward_min_blocks() {
-  if constexpr (kMasked) return K <= 5 ? 4 : 0;
+  if constexpr (kMasked) return K <= 5 ? 4 : 3;
   return K <= 6 ? 5 : 4;
 }
 
@@ -227,18 +262,25 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
   constexpr int V = kPack<T>;
   constexpr int P = K - 1;
   constexpr int64_t kSegment = kLanes * V;
+  constexpr bool kRotate = P <= V;
+  using Word = RawFor<T, V>;
   const Conv<T, float, K> conv{p};
   const int lane = threadIdx.x % kLanes;
+  __shared__ Word x_slots[kBackwardAhead * kChannelFirstThreads],
+      dy_slots[kBackwardAhead * kChannelFirstThreads];
+  const RowRing<kBackwardAhead, Word, kChannelFirstThreads> x_ring{x_slots}, dy_ring{dy_slots};
   // The item's channel `item` (times [c0, c1)). Bit 0 of uniform.before: whether the next segment
   // that segment_delta takes is uniform for its deltas; of uniform.after, whether the next segment
   // that segment_dx takes is for its dx. They take the segments below loaded_end and c1: the
   // launcher makes that at most kUniformSegments (the bits past those are 0, the segments masked).
-  const auto run = [&](const ChannelFirstItem& item, UniformSegments uniform) {
+  // silu: std::true_type or std::false_type.
+  const auto run = [&](const ChannelFirstItem& item, UniformSegments uniform, auto silu) {
     // Times this item loads: its own, and the P after them that the dx of its last times needs.
     const int64_t loaded_end = std::min(item.c1 + P, p.length);
-    const T* x_row = static_cast<const T*>(p.x) + item.row * p.length;
-    const T* dy_row = static_cast<const T*>(p.dy) + item.row * p.length;
-    T* dx_row = static_cast<T*>(p.dx) + item.row * p.length;
+    // One element offset serves x, dy and dx: the lane's pack at time 0 of the row (their base
+    // pointers stay in the constant bank); the lane's pack of segment s loads while s < lane_end.
+    const int64_t lane_at = item.row * p.length + lane * V;
+    const int64_t lane_end = loaded_end - lane * V;
     float w[K][1], bias[1];
     load_weights(conv, item.b, item.d, w, bias);
     const int32_t* segment_row = kMasked ? p.seq_idx + item.b * p.length : nullptr;
@@ -246,14 +288,17 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
     carry.load(conv, item.b, item.c0, item.d);
     float dw[K + 1] = {};  // dw[K] is db
 
-    // The lane's x and dy packs of the next kBackwardAhead segments that segment_delta will take.
-    RawFor<T, V> x_ahead[kBackwardAhead], dy_ahead[kBackwardAhead];
-    const auto fetch = [&](int64_t s, RawFor<T, V>& x_pack, RawFor<T, V>& dy_pack) {
-      const int64_t t0 = s + lane * V;
-      x_pack = load_streaming_or_zero<T, V>(x_row + t0, t0 < loaded_end);
-      dy_pack = load_streaming_or_zero<T, V>(dy_row + t0, t0 < loaded_end);
+    // The lane's x and dy packs of the next kBackwardAhead segments that segment_delta will take,
+    // in the rings' slots (step: segment_delta's count). A pack past lane_end is not fetched: its
+    // slot holds an older pack, which only lanes whose outputs do not exist read.
+    int step = 0;
+    const auto fetch = [&](int64_t s, int at) {
+      const int64_t offset = lane_at + s;
+      x_ring.fetch(at, static_cast<const T*>(p.x) + offset, s < lane_end);
+      dy_ring.fetch(at, static_cast<const T*>(p.dy) + offset, s < lane_end);
+      ring_commit();
     };
-    for (int a = 0; a < kBackwardAhead; ++a) fetch(item.c0 + a * kSegment, x_ahead[a], dy_ahead[a]);
+    for (int a = 0; a < kBackwardAhead; ++a) fetch(item.c0 + a * kSegment, a);
 
     // Called for segments c0, c0 + kSegment, ... in order, every one below loaded_end; interior
     // (std::true_type) when every time of the segment exists and is the item's own.
@@ -264,23 +309,25 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
       const int64_t t0 = s + lane * V;
       const bool exists = kInterior || t0 < loaded_end;
       float own[V], dy[V];
-      to_floats(from_raw<T, V>(x_ahead[0]), own);
-      to_floats(from_raw<T, V>(dy_ahead[0]), dy);
-      for (int a = 0; a + 1 < kBackwardAhead; ++a) {
-        x_ahead[a] = x_ahead[a + 1];
-        dy_ahead[a] = dy_ahead[a + 1];
-      }
-      fetch(s + kBackwardAhead * kSegment, x_ahead[kBackwardAhead - 1], dy_ahead[kBackwardAhead - 1]);
+      ring_wait<kBackwardAhead - 1>();
+      to_floats(x_ring.template read<T, V>(step), own);
+      to_floats(dy_ring.template read<T, V>(step), dy);
+      fetch(s + kBackwardAhead * kSegment, step + kBackwardAhead);
+      ++step;
       float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}
-      carry.advance(own, lane, xs);
+      if constexpr (kRotate) {
+        rotate_advance<P, V>(own, lane, carry.x, xs);
+      } else {
+        carry.advance(own, lane, xs);
+      }
       const bool accumulate = kInterior || t0 < item.c1;
       if (!masked) {
-        channel_first_deltas<false>(w, bias[0], xs, dy, nullptr, exists, accumulate, p.silu,
+        channel_first_deltas<false>(w, bias[0], xs, dy, nullptr, exists, accumulate, silu,
                                     out.delta, dw);
       } else {
         int32_t segments[P + V];
         load_segment_window<V, P, 0>(segment_row, t0, p.length, segments);
-        channel_first_deltas<true>(w, bias[0], xs, dy, segments, exists, accumulate, p.silu,
+        channel_first_deltas<true>(w, bias[0], xs, dy, segments, exists, accumulate, silu,
                                    out.delta, dw);
       }
     };
@@ -327,7 +374,11 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
       uniform.after >>= 1;
       const int64_t t0 = s + lane * V;
       float after[P];
-      halo_after<P, V>(current.delta, next.delta, lane, after);
+      if constexpr (kRotate) {
+        rotate_halo_after<P, V>(current.delta, next.delta, lane, after);
+      } else {
+        halo_after<P, V>(current.delta, next.delta, lane, after);
+      }
       float g[V];
       // select: std::true_type for seq_idx's masks, segments[j] the entry of x_{t0+j}. Without
       // them the taps of outputs past the row are skipped, as the entries (-1) skip them.
@@ -357,10 +408,12 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
         load_segment_window<V, 0, P>(segment_row, t0, p.length, segments);
         input_grads(std::true_type{}, segments);
       }
-      if (!kInterior && t0 < item.c1 && t0 + V > p.length - P) {
+      if (!kInterior && p.dfinal_state != nullptr && t0 < item.c1 && t0 + V > p.length - P) {
         for (int j = 0; j < V; ++j) g[j] += conv.final_state_grad(item.b, t0 + j, item.d);
       }
-      if (kInterior || t0 < item.c1) store_streaming(dx_row + t0, from_floats<T, V>(g));
+      if (kInterior || t0 < item.c1) {
+        store_streaming(static_cast<T*>(p.dx) + lane_at + s, from_floats<T, V>(g));
+      }
       current = next;
     };
     int64_t s = item.c0;
@@ -371,12 +424,24 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
         dw[k] += __shfl_xor_sync(kFullWarp, dw[k], lanes);
       }
     }
+    ring_wait<0>();  // the fetches past the item land before the next item's reuse their slots
     if (lane == 0) {
       float* out = partials + ((item.b * item.chunks + item.chunk) * p.channels + item.d) * (K + 1);
       for (int k = 0; k <= K; ++k) out[k] = dw[k];
     }
   };
-  for_each_channel_first_item<V, P, kMasked>(p, chunk_len, P, run);
+  // The activation, chosen once: a run-time flag cost a select per element.
+  if (p.silu) {
+    for_each_channel_first_item<V, P, kMasked>(
+        p, chunk_len, P, [&](const ChannelFirstItem& item, UniformSegments uniform) {
+          run(item, uniform, std::true_type{});
+        });
+  } else {
+    for_each_channel_first_item<V, P, kMasked>(
+        p, chunk_len, P, [&](const ChannelFirstItem& item, UniformSegments uniform) {
+          run(item, uniform, std::false_type{});
+        });
+  }
 }
 
 // Warp items whose rows (x and dy) a short-row backward lane has in flight: 3 x 32 bytes. With

@@ -143,6 +143,20 @@ CAUSAL_CONV_HD A activation_grad(A z, bool silu) {
 #endif
 }
 
+// dy * activation_grad(z, kSilu) with the activation known at compile time. For silu, with
+// ds = dy s: dy s (1 + z (1 - s)) = ds (z - z s) + ds, two FMAs after the product; no select on a
+// run-time flag. (The channel-first backward's interior loop, SASS: 285 -> 263 instructions a
+// segment of 8 bf16 times a lane, eleventh session.)
+template <bool kSilu, typename A>
+CAUSAL_CONV_HD A activation_vjp(A dy, A z) {
+  if constexpr (kSilu) {
+    const A s = sigmoid(z), ds = dy * s;
+    return ds * (z - z * s) + ds;
+  } else {
+    return dy;
+  }
+}
+
 // Storage type <-> accumulation type. Half types convert through float; every storage type used
 // here (float, double, the CUDA and CPU half types) has a float constructor and a float cast.
 template <typename A, typename T>
