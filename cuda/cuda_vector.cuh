@@ -89,15 +89,6 @@ __device__ __forceinline__ RawFor<T, N> load_readonly_or_zero(const T* src, bool
   return live ? __ldg(reinterpret_cast<const RawFor<T, N>*>(src)) : RawFor<T, N>{};
 }
 
-// load_readonly_or_zero with the evict-first (streaming) cache hint, for data a kernel reads once.
-// The channel-first backward streams x and dy (2 reads) beside dx (1 write) through a 50 MB L2;
-// marking all three evict-first took its kernel from 143 to 139.5 us on the main workload
-// (eleventh session, trial-chains).
-template <typename T, int N>
-__device__ __forceinline__ RawFor<T, N> load_streaming_or_zero(const T* src, bool live) {
-  return live ? __ldcs(reinterpret_cast<const RawFor<T, N>*>(src)) : RawFor<T, N>{};
-}
-
 template <typename T, int N>
 __device__ __forceinline__ Vec<T, N> zero_vec() {
   Vec<T, N> out;
@@ -113,7 +104,9 @@ __device__ __forceinline__ void store_vec(T* dst, const Vec<T, N>& value) {
 }
 
 // store_vec with the evict-first (streaming) cache hint, for output no later step of the kernel
-// reads.
+// reads. With x and dy also loaded evict-first, it took the channel-first backward from 143 to
+// 139.5 us on the main workload (eleventh session, trial-chains); those loads now go through a
+// cp.async ring (.cg) instead.
 template <typename T, int N>
 __device__ __forceinline__ void store_streaming(T* dst, const Vec<T, N>& value) {
   __stcs(reinterpret_cast<RawFor<T, N>*>(dst), to_raw(value));
