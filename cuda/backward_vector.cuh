@@ -431,16 +431,15 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
     }
   };
   // The activation, chosen once: a run-time flag cost a select per element.
+  const auto run_items = [&](auto silu) {
+    for_each_channel_first_item<V, P, kMasked>(
+        p, chunk_len, P,
+        [&](const ChannelFirstItem& item, UniformSegments uniform) { run(item, uniform, silu); });
+  };
   if (p.silu) {
-    for_each_channel_first_item<V, P, kMasked>(
-        p, chunk_len, P, [&](const ChannelFirstItem& item, UniformSegments uniform) {
-          run(item, uniform, std::true_type{});
-        });
+    run_items(std::true_type{});
   } else {
-    for_each_channel_first_item<V, P, kMasked>(
-        p, chunk_len, P, [&](const ChannelFirstItem& item, UniformSegments uniform) {
-          run(item, uniform, std::false_type{});
-        });
+    run_items(std::false_type{});
   }
 }
 
