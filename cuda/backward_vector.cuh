@@ -430,17 +430,11 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
       for (int k = 0; k <= K; ++k) out[k] = dw[k];
     }
   };
-  // The activation, chosen once: a run-time flag cost a select per element.
-  const auto run_items = [&](auto silu) {
+  with_bool_constant(p.silu, [&](auto silu) {
     for_each_channel_first_item<V, P, kMasked>(
         p, chunk_len, P,
         [&](const ChannelFirstItem& item, UniformSegments uniform) { run(item, uniform, silu); });
-  };
-  if (p.silu) {
-    run_items(std::true_type{});
-  } else {
-    run_items(std::false_type{});
-  }
+  });
 }
 
 // Warp items whose rows (x and dy) a short-row backward lane has in flight: 3 x 32 bytes. With

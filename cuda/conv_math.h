@@ -200,6 +200,15 @@ CAUSAL_CONV_HD auto with_param_type(bool like_x, const Fn& fn) {
   return fn(std::false_type{});
 }
 
+// fn(flag) with flag a compile-time std::bool_constant: a flag tested per element inside a loop
+// (the activation) costs a select each time; branching once around the loop compiles the loop
+// once for each value instead.
+template <typename Fn>
+CAUSAL_CONV_HD auto with_bool_constant(bool flag, const Fn& fn) {
+  if (flag) return fn(std::true_type{});
+  return fn(std::false_type{});
+}
+
 template <typename T, typename A>
 CAUSAL_CONV_HD void store_param(void* base, int64_t i, A v, bool like_x) {
   if constexpr (!std::is_same_v<T, A>) {
