@@ -85,30 +85,6 @@ __global__ void __launch_bounds__(kForwardThreads)
   }
 }
 
-// xs[j] = x_{t0-P+j}, j < P + V, for the lane whose pack starts at t0 (a multiple of V; live:
-// whether the pack exists), from the row's own pointers (x_row: its L inputs; state_row: its P
-// initial-state values, or nullptr for zeros): the lane's pack and the packs before it by aligned
-// loads, no shuffle.
-template <typename T, int V, int P>
-__device__ __forceinline__ void load_x_window(const T* x_row, const T* state_row, int64_t t0,
-                                              bool live, float (&xs)[P + V]) {
-  constexpr int kPacks = (P + V - 1) / V;  // the packs before t0 that hold the P times
-  float before[kPacks * V];
-  for (int i = 0; i < kPacks; ++i) {
-    const int64_t u = t0 - (kPacks - i) * V;
-    to_floats(from_raw<T, V>(load_readonly_or_zero<T, V>(x_row + u, u >= 0)),
-              reinterpret_cast<float(&)[V]>(before[i * V]));
-  }
-  for (int j = 0; j < P; ++j) xs[j] = before[kPacks * V - P + j];  // zeros before the row
-  if (t0 < P && state_row != nullptr) {  // the row's first lanes, with an initial state
-    for (int j = 0; j < P; ++j) {
-      if (t0 - P + j < 0) xs[j] = static_cast<float>(state_row[t0 + j]);
-    }
-  }
-  to_floats(from_raw<T, V>(load_readonly_or_zero<T, V>(x_row + t0, live)),
-            reinterpret_cast<float(&)[V]>(xs[P]));
-}
-
 // y of a channel-first lane's pack from xs = x_{t0-P} .. x_{t0+V-1}. With kSelect, seq_idx's
 // masks, segments[j] being the entry of xs[j]; without, every tap.
 template <bool kSelect, int K, int V>
@@ -127,11 +103,14 @@ __device__ __forceinline__ void channel_first_outputs(const float (&w)[K][1], fl
 constexpr int kForwardAhead = 3;
 
 // Blocks of kChannelFirstThreads per SM the channel-first forward's registers must allow (0: no
-// bound). Left free, ptxas gave the masked kernel 72-80 registers (6 blocks of 128): the few
-// values it holds beyond the unmasked kernel's (the item's flags and row, for the masked segments
-// after the loop) tip it over. Capped at 8 blocks, it spills only around uniform_segments and in
-// the masked segments (a few words per item), and its loop over the uniform segments keeps the
-// unmasked kernel's occupancy.
+// bound). The masked kernel computes its masked segments in its loop (the seq_idx window, its
+// compares and selects held there), which needs 74-96 registers up to K = 6 and 113-116 for
+// 16-bit K >= 7. On the packed workload (bf16 K = 4, B=8 L=2048 D=4096, 4 sequences a row, with
+// states) it ran in 96.8 us at 6 blocks (80 registers, no spills) and 97.5 at 8 (spilling 84 B),
+// where the loop over the uniform segments with a second pass for the masked ones took 104.2 at 8
+// blocks; 9 blocks lost 6 us. So the masked kernels get 6 blocks where ptxas spills nothing there
+// and otherwise the most blocks at which it spills nothing: 5 for f16 K = 4-6, bf16 K = 6 and
+// f32 K >= 7 (left free, f32 K = 7 spilled 12 bytes), no bound for 16-bit K >= 7 (4 blocks).
 //
 // Unmasked 16-bit kernels up to K = 4 ask for 9 blocks (56 registers, no spills): on the main
 // workload that took 81.5 us against 85.3 with 4 blocks of 256 (63 registers). The other unmasked
@@ -140,7 +119,11 @@ constexpr int kForwardAhead = 3;
 // where it would not raise the occupancy.
 template <typename T, int K, bool kMasked>
 constexpr int channel_first_forward_min_blocks() {
-  if constexpr (kMasked) return K <= 6 ? 8 : 0;
+  if constexpr (kMasked) {
+    if constexpr (sizeof(T) == 4) return K <= 6 ? 6 : 5;
+    if constexpr (std::is_same_v<T, __half>) return K <= 3 ? 6 : (K <= 6 ? 5 : 0);
+    return K <= 5 ? 6 : (K <= 6 ? 5 : 0);
+  }
   return sizeof(T) == 2 && K <= 4 ? 9 : 0;
 }
 
@@ -149,13 +132,11 @@ constexpr int channel_first_forward_min_blocks() {
 // from its lower neighbours by shuffle. The next kForwardAhead segments' packs are in flight.
 //
 // With seq_idx (items of at most kUniformSegments segments and of kUniformChannels channels, whose
-// uniform segments the warp finds once), the uniform segments run in that loop with the unmasked
-// arithmetic; the others only pass their inputs on to the carry there, and run after it with
-// seq_idx's masks, their packs and halos loaded again. Kept out of the loop, the masked arithmetic
-// (the entries, their compares and the selects) adds nothing to the registers the loop holds:
-// inside it (bf16, K = 4), the kernel took 80 registers against the unmasked kernel's 63, and
-// ptxas recomputed addresses in the loop to make room (162 instructions per uniform segment
-// against 138; now 150).
+// uniform segments the warp finds once), the uniform segments run the unmasked arithmetic; the
+// others load their lanes' seq_idx windows and apply the masks, on the inputs the carry gave them
+// like any segment. A second pass over those segments after the loop, loading their packs and
+// halos again, kept the masked arithmetic's registers out of the loop but cost more than it saved
+// (see channel_first_forward_min_blocks): 104.2 us against 96.8 on the packed workload.
 template <typename T, int K, bool kMasked>
 __global__ void
 __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, kMasked>())
@@ -168,7 +149,6 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
   // The item's channel `item` (times [c0, c1)); bit j of masks.before (then of uniform): whether
   // the item's segment j is uniform (none past the first kUniformSegments).
   const auto run = [&](const ChannelFirstItem& item, UniformSegments masks) {
-    uint32_t uniform = masks.before;
     const T* x_row = static_cast<const T*>(p.x) + item.row * p.length;
     T* y_row = static_cast<T*>(p.y) + item.row * p.length;
     const int32_t* segment_row = kMasked ? p.seq_idx + item.b * p.length : nullptr;
@@ -182,10 +162,10 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
       const int64_t t = item.c0 + a * kSegment + lane * V;
       ahead[a] = load_readonly_or_zero<T, V>(x_row + t, t < item.c1);
     }
-    uint32_t next_uniform = uniform;  // bit 0: the next segment's
+    uint32_t uniform = masks.before;  // bit 0: the next segment's
     for (int64_t s = item.c0; s < item.c1; s += kSegment) {
-      const bool masked = kMasked && !(next_uniform & 1u);
-      next_uniform >>= 1;
+      const bool masked = kMasked && !(uniform & 1u);
+      uniform >>= 1;
       const int64_t t0 = s + lane * V;
       const bool live = t0 < item.c1;
       float own[V];
@@ -195,28 +175,15 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
       ahead[kForwardAhead - 1] = load_readonly_or_zero<T, V>(x_row + t_ahead, t_ahead < item.c1);
       float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}
       carry.advance(own, lane, xs);
+      float out[V];
       if (!masked) {
-        float out[V];
         channel_first_outputs<false>(w, bias[0], xs, nullptr, p.silu, out);
-        if (live) store_vec(y_row + t0, from_floats<T, V>(out));
-      }
-    }
-    if (kMasked) {
-      // The segments the loop left: each lane loads its window of x and of entries.
-      const T* state_row = p.initial_state == nullptr
-                               ? nullptr
-                               : static_cast<const T*>(p.initial_state) + item.row * P;
-      for (int64_t s = item.c0; s < item.c1; s += kSegment, uniform >>= 1) {
-        if (uniform & 1u) continue;
-        const int64_t t0 = s + lane * V;
-        const bool live = t0 < item.c1;
-        float xs[P + V], out[V];
-        load_x_window<T, V, P>(x_row, state_row, t0, live, xs);
+      } else {
         int32_t segments[P + V];
         load_segment_window<V, P, 0>(segment_row, t0, p.length, segments);
         channel_first_outputs<true>(w, bias[0], xs, segments, p.silu, out);
-        if (live) store_vec(y_row + t0, from_floats<T, V>(out));
       }
+      if (live) store_vec(y_row + t0, from_floats<T, V>(out));
     }
   };
   for_each_channel_first_item<V, P, kMasked>(p, chunk_len, 0, run);
