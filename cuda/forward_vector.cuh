@@ -110,7 +110,9 @@ constexpr int kForwardAhead = 3;
 // where the loop over the uniform segments with a second pass for the masked ones took 104.2 at 8
 // blocks; 9 blocks lost 6 us. So the masked kernels get 6 blocks where ptxas spills nothing there
 // and otherwise the most blocks at which it spills nothing: 5 for f16 K = 4-6, bf16 K = 6 and
-// f32 K >= 7 (left free, f32 K = 7 spilled 12 bytes), no bound for 16-bit K >= 7 (4 blocks).
+// f32 K >= 7 (left free, f32 K = 7 spilled 12 bytes), no bound for 16-bit K >= 7 (4 blocks; at 5
+// they spill 4-36 bytes). 7 blocks would spill nothing for bf16 and f32 up to K = 3 (and f32
+// K = 4) but were not measured.
 //
 // Unmasked 16-bit kernels up to K = 4 ask for 9 blocks (56 registers, no spills): on the main
 // workload that took 81.5 us against 85.3 with 4 blocks of 256 (63 registers). The other unmasked

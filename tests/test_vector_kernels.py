@@ -184,7 +184,7 @@ def test_cf_seq_idx_rows():
 
 
 @pytest.mark.parametrize("state", [False, True], ids=["no_state", "state"])
-@pytest.mark.parametrize("width", [2, 4, 8])
+@pytest.mark.parametrize("width", range(2, 9))
 @pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("dev", DEVICES)
 def test_channel_first_seq_idx(dev, dtype, width, state):
