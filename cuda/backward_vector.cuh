@@ -76,8 +76,8 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
     using Segments = SegmentSteps<K, C>;
     const Segments segments{p, b, t0, d0, live_steps};
     // One step; interior is std::true_type on the interior steps (see above), taps those of
-    // SegmentSteps: the constant kAllTaps leaves no tap test. silu: p.silu, or on the interior
-    // steps std::true_type or std::false_type, chosen once around them.
+    // SegmentSteps: the constant kAllTaps leaves no tap test. silu: std::true_type or
+    // std::false_type, chosen once around the steps, or p.silu (with seq_idx, see below).
     const auto step_at = [&](int step, auto interior, uint32_t taps, auto silu) {
       constexpr bool kInterior = decltype(interior)::value;
       const int64_t s = t0 + step;
