@@ -76,8 +76,9 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
     using Segments = SegmentSteps<K, C>;
     const Segments segments{p, b, t0, d0, live_steps};
     // One step; interior is std::true_type on the interior steps (see above), taps those of
-    // SegmentSteps: the constant kAllTaps leaves no tap test.
-    const auto step_at = [&](int step, auto interior, uint32_t taps) {
+    // SegmentSteps: the constant kAllTaps leaves no tap test. silu: std::true_type or
+    // std::false_type, chosen once around the steps, or p.silu (with seq_idx, see below).
+    const auto step_at = [&](int step, auto interior, uint32_t taps, auto silu) {
       constexpr bool kInterior = decltype(interior)::value;
       const int64_t s = t0 + step;
       const bool live = kInterior || step < live_steps;
@@ -97,7 +98,7 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
           const float tap = fmaf(w[k][c], x[k][c], z);
           z = Segments::has(taps, k) ? tap : z;
         }
-        delta[P][c] = output ? dy[c] * activation_grad(z, p.silu) : 0.0f;
+        delta[P][c] = output ? activation_vjp(dy[c], z, silu) : 0.0f;
       }
       if (kInterior || step < owned) {
         for (int c = 0; c < C; ++c) {
@@ -135,25 +136,41 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
       }
       slide_windows<K, C>(x, delta);
     };
-    const auto interior = [&](int begin, int end) {
+    // The interior steps [begin, end), silu as in step_at.
+    const auto interior = [&](int begin, int end, auto silu) {
       return run_steps<K>(begin, end, [&](int step) {
-        step_at(step, std::true_type{}, Segments::kAllTaps);
+        step_at(step, std::true_type{}, Segments::kAllTaps, silu);
       });
-    };
-    const auto checked = [&](int step, bool needs_seq_idx) {
-      step_at(step, std::false_type{}, needs_seq_idx ? segments.taps(step) : Segments::kAllTaps);
     };
     if constexpr (kMasked) {
       // The steps that need tap tests are few: one checked copy serves them and the edges (a
-      // second one, or an interior copy with tap tests, cost registers that the cap lacks).
-      segments.run(0, owned + P, P, owned, interior, checked);
+      // second one, or an interior copy with tap tests, cost registers that the cap lacks), and
+      // it reads the activation's flag. 16-bit K = 2 (8 channels a thread, at the cap of 128
+      // registers) reads it on its interior steps too: with the activation chosen there ptxas
+      // spilled 20-32 bytes around the step loops (8-16 with this run_steps call written as
+      // interior(begin, end, p.silu)).
+      const auto uniform = [&](int begin, int end) {
+        if constexpr (sizeof(T) == 2 && K == 2) {
+          return run_steps<K>(begin, end, [&](int step) {
+            step_at(step, std::true_type{}, Segments::kAllTaps, p.silu);
+          });
+        } else {
+          return with_bool_constant(p.silu, [&](auto silu) { return interior(begin, end, silu); });
+        }
+      };
+      segments.run(0, owned + P, P, owned, uniform, [&](int step, bool needs_seq_idx) {
+        step_at(step, std::false_type{}, needs_seq_idx ? segments.taps(step) : Segments::kAllTaps,
+                p.silu);
+      });
     } else {
-      int step = 0;
+      with_bool_constant(p.silu, [&](auto silu) {
+        int step = 0;
 #pragma unroll 1
-      for (; step < P; ++step) checked(step, false);
-      step = interior(step, owned);
+        for (; step < P; ++step) step_at(step, std::false_type{}, Segments::kAllTaps, silu);
+        step = interior(step, owned, silu);
 #pragma unroll 1
-      for (; step < owned + P; ++step) checked(step, false);
+        for (; step < owned + P; ++step) step_at(step, std::false_type{}, Segments::kAllTaps, silu);
+      });
     }
     float* out = partials + ((b * tiles + tile) * p.channels + d0) * (K + 1);
     for (int c = 0; c < C; ++c) {

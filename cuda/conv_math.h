@@ -157,6 +157,18 @@ CAUSAL_CONV_HD A activation_vjp(A dy, A z) {
   }
 }
 
+// dy * activation_grad(z, silu) with silu a run-time bool, or activation_vjp<kSilu> with silu a
+// std::bool_constant<kSilu>: for a kernel that chooses the activation once for its hottest loop
+// and reads the flag elsewhere.
+template <typename A, typename Silu>
+CAUSAL_CONV_HD A activation_vjp(A dy, A z, Silu silu) {
+  if constexpr (std::is_same_v<Silu, bool>) {
+    return dy * activation_grad(z, silu);
+  } else {
+    return activation_vjp<Silu::value>(dy, z);
+  }
+}
+
 // Storage type <-> accumulation type. Half types convert through float; every storage type used
 // here (float, double, the CUDA and CPU half types) has a float constructor and a float cast.
 template <typename A, typename T>

@@ -16,13 +16,24 @@ constexpr int kForwardThreads = 128;
 // 23% of warps active and DRAM at 54% of peak: 104 us against 85 us on the main workload.
 constexpr int kForwardBudget = 16;
 
+// Blocks of kForwardThreads per SM the channel-last forward's registers must allow (0: no bound).
+// With the activation chosen once (two copies of the step loop) ptxas took more registers than
+// before at K = 4 (bf16 80 -> 96, float 80 -> 94, f16 80) and float K = 7 (80 -> 96), a block
+// per SM fewer; capped at main's 6 blocks they take 70-72 and 61 registers (7 and 8 blocks, no
+// spills).
+template <typename T, int K, bool kMasked>
+constexpr int forward_channel_last_min_blocks() {
+  if constexpr (kMasked) return 0;
+  return K == 4 || (K == 7 && sizeof(T) == 4) ? 6 : 0;
+}
+
 // (B, L, D), D a multiple of C: a thread owns C channels over time_chunk steps and slides a
 // K-row register window down them; its next rows arrive through a RowRing. The step loop is
 // unrolled K times, so that the window shifts are register renaming. With seq_idx, the steps whose
 // windows SegmentSteps finds across a segment boundary or at padding run one by one, with tap
 // tests.
 template <typename T, int K, bool kMasked>
-__global__ void __launch_bounds__(kForwardThreads)
+__global__ void __launch_bounds__(kForwardThreads, forward_channel_last_min_blocks<T, K, kMasked>())
     forward_channel_last_kernel(ConvParams p, int64_t time_chunk) {
   constexpr int C = channels_per_thread<T, K, kForwardBudget>();
   constexpr int P = K - 1;
@@ -54,8 +65,9 @@ __global__ void __launch_bounds__(kForwardThreads)
     load_window_before(conv, b, t0, d0, window);
     using Segments = SegmentSteps<K, C>;
     const Segments segments{p, b, t0, d0, steps};
-    // One step, with the taps of SegmentSteps: the constant kAllTaps leaves no tap test.
-    const auto step_at = [&](int step, uint32_t taps) {
+    // One step, with the taps of SegmentSteps: the constant kAllTaps leaves no tap test. silu:
+    // p.silu, or on the uniform steps std::true_type or std::false_type, chosen once around them.
+    const auto step_at = [&](int step, uint32_t taps, auto silu) {
       ring_wait<kForwardDepth - 1>();
       to_floats(x_ring.template read<T, C>(step), window[P]);
       fetch(step + kForwardDepth);  // into the slots just read
@@ -66,19 +78,27 @@ __global__ void __launch_bounds__(kForwardThreads)
           const float tap = fmaf(w[k][c], window[k][c], z);
           z = Segments::has(taps, k) ? tap : z;
         }
-        out[c] = Segments::has(taps, P) ? activate(z, p.silu) : 0.0f;
+        out[c] = Segments::has(taps, P) ? activate(z, silu) : 0.0f;
       }
       store_vec(y_row, from_floats<T, C>(out));
       y_row += p.channels;
       slide_windows<K, C>(window);
     };
     const auto uniform = [&](int begin, int end) {
-      run_steps<K>(begin, end, [&](int step) { step_at(step, Segments::kAllTaps); });
+      if constexpr (kMasked && sizeof(T) == 2 && K == 7) {
+        // Chosen here, the activation took this kernel from 96 registers to 115-120 (a block
+        // per SM fewer), and capped at 96 it spilled 40 bytes.
+        run_steps<K>(begin, end, [&](int step) { step_at(step, Segments::kAllTaps, p.silu); });
+      } else {
+        with_bool_constant(p.silu, [&](auto silu) {
+          run_steps<K>(begin, end, [&](int step) { step_at(step, Segments::kAllTaps, silu); });
+        });
+      }
     };
     if constexpr (kMasked) {
       // The forward has no edge steps: every other step is one that needs the tap tests.
       segments.run(0, steps, 0, steps, uniform,
-                   [&](int step, bool) { step_at(step, segments.taps(step)); });
+                   [&](int step, bool) { step_at(step, segments.taps(step), p.silu); });
     } else {
       uniform(0, steps);
     }
