@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(kForwardThreads)
     // One step, with the taps of SegmentSteps: the constant kAllTaps leaves no tap test.
     const auto step_at = [&](int step, uint32_t taps) {
       ring_wait<kForwardDepth - 1>();
-      to_floats(x_ring.template read<T, C>(step), window[P]);
+      widen(x_ring.template read<T, C>(step), window[P]);
       fetch(step + kForwardDepth);  // into the slots just read
       float out[C];
       for (int c = 0; c < C; ++c) {
@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(kForwardThreads)
         }
         out[c] = Segments::has(taps, P) ? activate(z, p.silu) : 0.0f;
       }
-      store_vec(y_row, from_floats<T, C>(out));
+      store_vec(y_row, narrow<T, C>(out));
       y_row += p.channels;
       slide_windows<K, C>(window);
     };
@@ -96,7 +96,7 @@ __device__ __forceinline__ void load_x_window(const T* x_row, const T* state_row
   float before[kPacks * V];
   for (int i = 0; i < kPacks; ++i) {
     const int64_t u = t0 - (kPacks - i) * V;
-    to_floats(from_raw<T, V>(load_readonly_or_zero<T, V>(x_row + u, u >= 0)),
+    widen(from_raw<T, V>(load_readonly_or_zero<T, V>(x_row + u, u >= 0)),
               reinterpret_cast<float(&)[V]>(before[i * V]));
   }
   for (int j = 0; j < P; ++j) xs[j] = before[kPacks * V - P + j];  // zeros before the row
@@ -105,7 +105,7 @@ __device__ __forceinline__ void load_x_window(const T* x_row, const T* state_row
       if (t0 - P + j < 0) xs[j] = static_cast<float>(state_row[t0 + j]);
     }
   }
-  to_floats(from_raw<T, V>(load_readonly_or_zero<T, V>(x_row + t0, live)),
+  widen(from_raw<T, V>(load_readonly_or_zero<T, V>(x_row + t0, live)),
             reinterpret_cast<float(&)[V]>(xs[P]));
 }
 
@@ -189,7 +189,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
       const int64_t t0 = s + lane * V;
       const bool live = t0 < item.c1;
       float own[V];
-      to_floats(from_raw<T, V>(ahead[0]), own);
+      widen(from_raw<T, V>(ahead[0]), own);
       for (int a = 0; a + 1 < kForwardAhead; ++a) ahead[a] = ahead[a + 1];
       const int64_t t_ahead = t0 + kForwardAhead * kSegment;
       ahead[kForwardAhead - 1] = load_readonly_or_zero<T, V>(x_row + t_ahead, t_ahead < item.c1);
@@ -198,7 +198,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
       if (!masked) {
         float out[V];
         channel_first_outputs<false>(w, bias[0], xs, nullptr, p.silu, out);
-        if (live) store_vec(y_row + t0, from_floats<T, V>(out));
+        if (live) store_vec(y_row + t0, narrow<T, V>(out));
       }
     }
     if (kMasked) {
@@ -215,7 +215,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
         int32_t segments[P + V];
         load_segment_window<V, P, 0>(segment_row, t0, p.length, segments);
         channel_first_outputs<true>(w, bias[0], xs, segments, p.silu, out);
-        if (live) store_vec(y_row + t0, from_floats<T, V>(out));
+        if (live) store_vec(y_row + t0, narrow<T, V>(out));
       }
     }
   };
@@ -247,7 +247,7 @@ __global__ void __launch_bounds__(kThreads) forward_short_rows_kernel(ConvParams
     const bool row_live = cursor.row < at.rows, live = at.in_row && row_live;
     const int64_t b = row_live ? cursor.b : 0, d = row_live ? cursor.d : 0;  // loads stay in range
     float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}
-    to_floats(from_raw<T, V>(ahead[0]), reinterpret_cast<float(&)[V]>(xs[P]));
+    widen(from_raw<T, V>(ahead[0]), reinterpret_cast<float(&)[V]>(xs[P]));
     for (int a = 0; a + 1 < kShortForwardAhead; ++a) ahead[a] = ahead[a + 1];
     ahead[kShortForwardAhead - 1] = fetch(cursor.row + kShortForwardAhead * cursor.stride);
     float w[K][1], bias[1];
@@ -263,7 +263,7 @@ __global__ void __launch_bounds__(kThreads) forward_short_rows_kernel(ConvParams
       channel_first_outputs<false>(w, bias[0], xs, nullptr, p.silu, out);
     }
     if (live) {
-      store_vec(static_cast<T*>(p.y) + cursor.row * p.length + at.t0, from_floats<T, V>(out));
+      store_vec(static_cast<T*>(p.y) + cursor.row * p.length + at.t0, narrow<T, V>(out));
     }
     cursor.advance(p.channels);
   }
