@@ -34,32 +34,25 @@ __global__ void update_kernel(UpdateParams p) {
   }
 }
 
-// N consecutive values of a buffer no thread of the kernel writes (weights, bias): 16-byte loads
-// where the launch has checked the alignment, else one load per value.
-template <typename A, int N, bool kWide>
-__device__ __forceinline__ void load_constants(const A* src, A (&out)[N]) {
-  constexpr int W = 16 / static_cast<int>(sizeof(A));
-  if constexpr (kWide) {
-    static_assert(N % W == 0, "whole 16-byte words");
-    for (int i = 0; i < N; i += W) {
-      const Vec<A, W> word = load_readonly<A, W>(src + i);
-      for (int k = 0; k < W; ++k) out[i + k] = word.v[k];
-    }
-  } else {
-    for (int i = 0; i < N; ++i) out[i] = __ldg(src + i);
-  }
-}
-
 // N consecutive weights or biases from element index of base, as A: stored in A, or in T when
-// like_x (conv_math.h's load_param rule), loaded as load_constants does and widened in registers.
+// like_x (conv_math.h's load_param rule). No thread of the kernel writes them: 16-byte read-only
+// loads where the launch has checked the alignment (kWide), else one load per value; widened in
+// registers.
 template <typename T, typename A, int N, bool kWide>
 __device__ __forceinline__ void load_wide_params(const void* base, int64_t index, bool like_x,
                                                  A (&out)[N]) {
   with_param_type<T, A>(like_x, [&](auto stored_like_x) {
     using S = std::conditional_t<decltype(stored_like_x)::value, T, A>;
-    S stored[N];
-    load_constants<S, N, kWide>(static_cast<const S*>(base) + index, stored);
-    for (int i = 0; i < N; ++i) out[i] = to_acc<A>(stored[i]);
+    const S* src = static_cast<const S*>(base) + index;
+    if constexpr (kWide) {
+      constexpr int W = 16 / static_cast<int>(sizeof(S));
+      static_assert(N % W == 0, "whole 16-byte words");
+      for (int i = 0; i < N; i += W) {
+        widen(load_readonly<S, W>(src + i), reinterpret_cast<A(&)[W]>(out[i]));
+      }
+    } else {
+      for (int i = 0; i < N; ++i) out[i] = to_acc<A>(__ldg(src + i));
+    }
   });
 }
 
