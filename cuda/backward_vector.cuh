@@ -85,8 +85,8 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
       float dy[C];
       ring_wait<kDepth - 1>();
       if (live) {
-        to_floats(x_ring.template read<T, C>(step), x[P]);
-        to_floats(dy_ring.template read<T, C>(step), dy);
+        widen(x_ring.template read<T, C>(step), x[P]);
+        widen(dy_ring.template read<T, C>(step), dy);
       } else {
         for (int c = 0; c < C; ++c) x[P][c] = dy[c] = 0.0f;
       }
@@ -128,10 +128,10 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
         }
         if (kInterior || u >= 0) {
           store_vec(static_cast<T*>(p.dx) + next_row - (kDepth + 1 + P) * p.channels,
-                    from_floats<T, C>(g));
+                    narrow<T, C>(g));
         } else {
           store_vec(static_cast<T*>(p.dinitial_state) + offset(p.state_strides, b, u + P, d0),
-                    from_floats<T, C>(g));
+                    narrow<T, C>(g));
         }
       }
       slide_windows<K, C>(x, delta);
@@ -327,8 +327,8 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
       const bool exists = kInterior || t0 < loaded_end;
       float own[V], dy[V];
       ring_wait<kBackwardAhead - 1>();
-      to_floats(x_ring.template read<T, V>(step), own);
-      to_floats(dy_ring.template read<T, V>(step), dy);
+      widen(x_ring.template read<T, V>(step), own);
+      widen(dy_ring.template read<T, V>(step), dy);
       fetch(s + kBackwardAhead * kSegment, step + kBackwardAhead);
       ++step;
       float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}
@@ -429,7 +429,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
         for (int j = 0; j < V; ++j) g[j] += conv.final_state_grad(item.b, t0 + j, item.d);
       }
       if (kInterior || t0 < item.c1) {
-        store_streaming(static_cast<T*>(p.dx) + lane_at + s, from_floats<T, V>(g));
+        store_streaming(static_cast<T*>(p.dx) + lane_at + s, narrow<T, V>(g));
       }
       current = next;
     };
@@ -488,8 +488,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     const bool row_live = cursor.row < at.rows, live = at.in_row && row_live;
     const int64_t b = row_live ? cursor.b : 0, d = row_live ? cursor.d : 0;  // loads stay in range
     float xs[P + V], dys[V];  // x_{t0-P} .. x_{t0+V-1}, dy_{t0} .. dy_{t0+V-1}
-    to_floats(from_raw<T, V>(x_ahead[0]), reinterpret_cast<float(&)[V]>(xs[P]));
-    to_floats(from_raw<T, V>(dy_ahead[0]), dys);
+    widen(from_raw<T, V>(x_ahead[0]), reinterpret_cast<float(&)[V]>(xs[P]));
+    widen(from_raw<T, V>(dy_ahead[0]), dys);
     for (int a = 0; a + 1 < kShortBackwardAhead; ++a) {
       x_ahead[a] = x_ahead[a + 1];
       dy_ahead[a] = dy_ahead[a + 1];
@@ -573,7 +573,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       if (p.dfinal_state != nullptr && t0 + V > p.length - P) {
         for (int j = 0; j < V; ++j) gx[j] += conv.final_state_grad(b, t0 + j, d);
       }
-      store_vec(static_cast<T*>(p.dx) + cursor.row * p.length + t0, from_floats<T, V>(gx));
+      store_vec(static_cast<T*>(p.dx) + cursor.row * p.length + t0, narrow<T, V>(gx));
     }
     // The same tree for every group: unrolled over the five levels a warp has, those below the
     // group's width taken (a loop over the width ran 9 instructions per level and sum).

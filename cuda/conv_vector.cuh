@@ -68,7 +68,7 @@ __device__ __forceinline__ void load_row(const Conv<T, float, K>& conv, int64_t 
   } else if (p.initial_state != nullptr) {
     src = static_cast<const T*>(p.initial_state) + offset(p.state_strides, b, u + K - 1, d0);
   }
-  to_floats(src == nullptr ? zero_vec<T, C>() : load_readonly<T, C>(src), out);
+  widen(src == nullptr ? zero_vec<T, C>() : load_readonly<T, C>(src), out);
 }
 
 // ---- channel-last columns: a thread streams C channels of a batch row over a piece of time ----

@@ -112,12 +112,13 @@ __device__ __forceinline__ void store_streaming(T* dst, const Vec<T, N>& value) 
   __stcs(reinterpret_cast<RawFor<T, N>*>(dst), to_raw(value));
 }
 
-// N elements of T as floats, and back (16-bit pairs convert with one instruction). A bfloat16 is
-// the high half of a float, so a pair widens with one shift and one mask (the conversion
-// intrinsics spend an extra PRMT on the high element).
-template <typename T, int N>
-__device__ __forceinline__ void to_floats(const Vec<T, N>& in, float (&out)[N]) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16> && N % 2 == 0) {
+// N elements of T as A, and back (16-bit pairs convert with one instruction). A bfloat16 is the
+// high half of a float, so a pair widens with one shift and one mask (the conversion intrinsics
+// spend an extra PRMT on the high element; the one-token decode kernel extracted and shifted each
+// element on its own).
+template <typename A, typename T, int N>
+__device__ __forceinline__ void widen(const Vec<T, N>& in, A (&out)[N]) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && std::is_same_v<A, float> && N % 2 == 0) {
     for (int v = 0; v < N; v += 2) {
       uint32_t pair;
       memcpy(&pair, &in.v[v], sizeof pair);
@@ -125,25 +126,25 @@ __device__ __forceinline__ void to_floats(const Vec<T, N>& in, float (&out)[N]) 
       out[v + 1] = __uint_as_float(pair & 0xffff0000u);
     }
   } else {
-    for (int v = 0; v < N; ++v) out[v] = static_cast<float>(in.v[v]);
+    for (int v = 0; v < N; ++v) out[v] = to_acc<A>(in.v[v]);
   }
 }
 
-template <typename T, int N>
-__device__ __forceinline__ Vec<T, N> from_floats(const float (&in)[N]) {
+template <typename T, int N, typename A>
+__device__ __forceinline__ Vec<T, N> narrow(const A (&in)[N]) {
   Vec<T, N> out;
-  if constexpr (std::is_same_v<T, __nv_bfloat16> && N % 2 == 0) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && std::is_same_v<A, float> && N % 2 == 0) {
     for (int v = 0; v < N; v += 2) {
       const __nv_bfloat162 pair = __floats2bfloat162_rn(in[v], in[v + 1]);
       memcpy(&out.v[v], &pair, sizeof pair);
     }
-  } else if constexpr (std::is_same_v<T, __half> && N % 2 == 0) {
+  } else if constexpr (std::is_same_v<T, __half> && std::is_same_v<A, float> && N % 2 == 0) {
     for (int v = 0; v < N; v += 2) {
       const __half2 pair = __floats2half2_rn(in[v], in[v + 1]);
       memcpy(&out.v[v], &pair, sizeof pair);
     }
   } else {
-    for (int v = 0; v < N; ++v) out.v[v] = T(in[v]);
+    for (int v = 0; v < N; ++v) out.v[v] = from_acc<T>(in[v]);
   }
   return out;
 }

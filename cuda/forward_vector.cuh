@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(kForwardThreads, forward_channel_last_min_bloc
     // p.silu, or on the uniform steps std::true_type or std::false_type, chosen once around them.
     const auto step_at = [&](int step, uint32_t taps, auto silu) {
       ring_wait<kForwardDepth - 1>();
-      to_floats(x_ring.template read<T, C>(step), window[P]);
+      widen(x_ring.template read<T, C>(step), window[P]);
       fetch(step + kForwardDepth);  // into the slots just read
       float out[C];
       for (int c = 0; c < C; ++c) {
@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(kForwardThreads, forward_channel_last_min_bloc
         }
         out[c] = Segments::has(taps, P) ? activate(z, silu) : 0.0f;
       }
-      store_vec(y_row, from_floats<T, C>(out));
+      store_vec(y_row, narrow<T, C>(out));
       y_row += p.channels;
       slide_windows<K, C>(window);
     };
@@ -191,7 +191,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
       const int64_t t0 = s + lane * V;
       const bool live = t0 < item.c1;
       float own[V];
-      to_floats(from_raw<T, V>(ahead[0]), own);
+      widen(from_raw<T, V>(ahead[0]), own);
       for (int a = 0; a + 1 < kForwardAhead; ++a) ahead[a] = ahead[a + 1];
       const int64_t t_ahead = t0 + kForwardAhead * kSegment;
       ahead[kForwardAhead - 1] = load_readonly_or_zero<T, V>(x_row + t_ahead, t_ahead < item.c1);
@@ -205,7 +205,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
         load_segment_window<V, P, 0>(segment_row, t0, p.length, segments);
         channel_first_outputs<true>(w, bias[0], xs, segments, p.silu, out);
       }
-      if (live) store_vec(y_row + t0, from_floats<T, V>(out));
+      if (live) store_vec(y_row + t0, narrow<T, V>(out));
     }
   };
   for_each_channel_first_item<V, P, kMasked>(p, chunk_len, 0, run);
@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(kThreads) forward_short_rows_kernel(ConvParams
     const bool row_live = cursor.row < at.rows, live = at.in_row && row_live;
     const int64_t b = row_live ? cursor.b : 0, d = row_live ? cursor.d : 0;  // loads stay in range
     float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}
-    to_floats(from_raw<T, V>(ahead[0]), reinterpret_cast<float(&)[V]>(xs[P]));
+    widen(from_raw<T, V>(ahead[0]), reinterpret_cast<float(&)[V]>(xs[P]));
     for (int a = 0; a + 1 < kShortForwardAhead; ++a) ahead[a] = ahead[a + 1];
     ahead[kShortForwardAhead - 1] = fetch(cursor.row + kShortForwardAhead * cursor.stride);
     float w[K][1], bias[1];
@@ -252,7 +252,7 @@ __global__ void __launch_bounds__(kThreads) forward_short_rows_kernel(ConvParams
       channel_first_outputs<false>(w, bias[0], xs, nullptr, p.silu, out);
     }
     if (live) {
-      store_vec(static_cast<T*>(p.y) + cursor.row * p.length + at.t0, from_floats<T, V>(out));
+      store_vec(static_cast<T*>(p.y) + cursor.row * p.length + at.t0, narrow<T, V>(out));
     }
     cursor.advance(p.channels);
   }

@@ -34,32 +34,25 @@ __global__ void update_kernel(UpdateParams p) {
   }
 }
 
-// N consecutive values of a buffer no thread of the kernel writes (weights, bias): 16-byte loads
-// where the launch has checked the alignment, else one load per value.
-template <typename A, int N, bool kWide>
-__device__ __forceinline__ void load_constants(const A* src, A (&out)[N]) {
-  constexpr int W = 16 / static_cast<int>(sizeof(A));
-  if constexpr (kWide) {
-    static_assert(N % W == 0, "whole 16-byte words");
-    for (int i = 0; i < N; i += W) {
-      const Vec<A, W> word = load_readonly<A, W>(src + i);
-      for (int k = 0; k < W; ++k) out[i + k] = word.v[k];
-    }
-  } else {
-    for (int i = 0; i < N; ++i) out[i] = __ldg(src + i);
-  }
-}
-
 // N consecutive weights or biases from element index of base, as A: stored in A, or in T when
-// like_x (conv_math.h's load_param rule), loaded as load_constants does and widened in registers.
+// like_x (conv_math.h's load_param rule). No thread of the kernel writes them: 16-byte read-only
+// loads where the launch has checked the alignment (kWide), else one load per value; widened in
+// registers.
 template <typename T, typename A, int N, bool kWide>
 __device__ __forceinline__ void load_wide_params(const void* base, int64_t index, bool like_x,
                                                  A (&out)[N]) {
   with_param_type<T, A>(like_x, [&](auto stored_like_x) {
     using S = std::conditional_t<decltype(stored_like_x)::value, T, A>;
-    S stored[N];
-    load_constants<S, N, kWide>(static_cast<const S*>(base) + index, stored);
-    for (int i = 0; i < N; ++i) out[i] = to_acc<A>(stored[i]);
+    const S* src = static_cast<const S*>(base) + index;
+    if constexpr (kWide) {
+      constexpr int W = 16 / static_cast<int>(sizeof(S));
+      static_assert(N % W == 0, "whole 16-byte words");
+      for (int i = 0; i < N; i += W) {
+        widen(load_readonly<S, W>(src + i), reinterpret_cast<A(&)[W]>(out[i]));
+      }
+    } else {
+      for (int i = 0; i < N; ++i) out[i] = to_acc<A>(__ldg(src + i));
+    }
   });
 }
 
@@ -80,16 +73,18 @@ constexpr int token_rows() {
   return std::clamp((kTokenRegisters - weights) / row, 1, kMaxTokenRows);
 }
 
-// The one-token kernel's index space, in 32 bits (the launch checks that it fits): a thread takes
-// V channels of up to token_rows() batch rows of one weight group, and neighbouring threads take
-// neighbouring channels of the same rows.
+// The one-token kernel's grid, in 32 bits (the launch checks that it fits): a thread takes V
+// channels (vector x) of up to token_rows() batch rows (row tile y) of weight group z, so that it
+// finds its work without an integer division. Grid x covers a group's channel vectors, y its row
+// tiles, z the groups; a block is (vectors rounded up to a warp, at most kUpdateThreads) x (as many
+// tiles as fill kUpdateThreads), so neighbouring threads take neighbouring channels of the same
+// rows and a warp's lanes take consecutive vectors of one tile.
 struct TokenGrid {
-  uint32_t work;             // tiles * vectors
-  uint32_t vectors;          // channels / V
-  uint32_t tiles_per_group;  // ceil(group_rows / rows per thread)
-  uint32_t group_rows;       // batch / groups
-  int32_t state_channel;     // state stride of a channel
-  int32_t state_word;        // state stride between a channel vector's loads of V elements
+  uint32_t vectors;     // channels / V
+  uint32_t tiles;       // ceil(group_rows / rows per thread)
+  uint32_t group_rows;  // batch / groups
+  int32_t state_channel;  // state stride of a channel
+  int32_t state_word;     // state stride between a channel vector's loads of V elements
 };
 
 // One token per row, state_len == K - 1, shift or ring mode: V channels of several rows per thread.
@@ -108,6 +103,14 @@ struct TokenGrid {
 // Every store of y and the state is evict-first (streaming): the step writes both once and the
 // next read of the state is a step later (12.4 -> 12.2 us a step channel-last, 13.2 -> 12.8
 // channel-first, same trial).
+//
+// The kernel is latency-bound, so its instruction count is the lever: the activation is chosen
+// once (the rows' compute is compiled for silu and for none, no select per element), the tile
+// comes from the grid's indices (no division of a flat index by run-time divisors before the
+// first load), and bfloat16 words widen a pair per instruction (the token, the history, the
+// weights and bias) and narrow a pair per instruction. bf16 K = 4, channel-last / staged
+// channel-first: the silu path's static SASS instructions 704 / 688 -> 600 / 600, registers
+// 113 / 115 -> 105 / 111.
 template <typename T, typename A, int K, int V, bool kInterleaved, bool kStaged>
 __global__ void __launch_bounds__(kUpdateThreads, 2)
     update_token_kernel(UpdateParams p, TokenGrid g) {
@@ -116,68 +119,69 @@ __global__ void __launch_bounds__(kUpdateThreads, 2)
   using Word = RawFor<T, V>;
   constexpr int kWarps = kUpdateThreads / 32;
   __shared__ Word stage[kStaged ? kWarps : 1][kStaged ? R : 1][kStaged ? 32 * P : 1];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const uint32_t vector = blockIdx.x * blockDim.x + threadIdx.x;
+  const uint32_t tile = blockIdx.y * blockDim.y + threadIdx.y;
+  if (vector >= g.vectors || tile >= g.tiles) return;
+  // blockDim.x is a multiple of 32: a warp is one tile's, whole or (past the vectors) absent.
+  const int lane = threadIdx.x % 32, warp = (threadIdx.y * blockDim.x + threadIdx.x) / 32;
   // History element (channel c, step j) in a row's P loads.
   constexpr auto at = [](int c, int j) { return kInterleaved ? c * P + j : j * V + c; };
   const Update<T, A, K> op{p};
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
   T* state = static_cast<T*>(p.state);
-  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < g.work;
-       i += gridDim.x * blockDim.x) {
-    const uint32_t tile = i / g.vectors, d0 = (i - tile * g.vectors) * V;
-    const uint32_t group = tile / g.tiles_per_group;
-    const uint32_t first = (tile - group * g.tiles_per_group) * R;
-    const int rows = static_cast<int>(min(uint32_t{R}, g.group_rows - first));
-    const int64_t b0 = int64_t{group} * g.group_rows + first;
-    const int64_t channel0 = int64_t{group} * p.channels + d0;
+  const uint32_t group = blockIdx.z, d0 = vector * V, first = tile * R;
+  const int rows = static_cast<int>(min(uint32_t{R}, g.group_rows - first));
+  const int64_t b0 = int64_t{group} * g.group_rows + first;
+  const int64_t channel0 = int64_t{group} * p.channels + d0;
 
-    A w[V * K], bias[V];
-    load_wide_params<T, A, V * K, (V > 1)>(p.weight, channel0 * K, p.params_like_x, w);
-    if (p.bias) {
-      load_wide_params<T, A, V, (V > 1)>(p.bias, channel0, p.params_like_x, bias);
+  A w[V * K], bias[V];
+  load_wide_params<T, A, V * K, (V > 1)>(p.weight, channel0 * K, p.params_like_x, w);
+  if (p.bias) {
+    load_wide_params<T, A, V, (V > 1)>(p.bias, channel0, p.params_like_x, bias);
+  } else {
+    for (int v = 0; v < V; ++v) bias[v] = A(0);
+  }
+
+  // One token: x and y have contiguous channels in either layout.
+  const int64_t x0 = b0 * p.x_strides.batch + d0;
+  const uint32_t in_row = d0 * g.state_channel;
+  T* rows_state[R];  // this thread's channels in each row's state; null for padding rows
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = r < rows ? op.pool_row(b0 + r) : -1;
+    rows_state[r] = row < 0 ? nullptr : state + row * p.state_strides.batch + in_row;
+  }
+  // Plain loads, not read-only ones: this kernel writes the state it reads. Held as raw words:
+  // arrays of Vec copied from loads become byte-wise copies before the loops unroll.
+  Word token[R], history[R][P];
+  int ring[R];  // ring mode: the slot of history step 0, which the token replaces
+  for (int r = 0; r < R; ++r) {
+    const T* src = rows_state[r];
+    if (src == nullptr) continue;
+    token[r] = *reinterpret_cast<const Word*>(x + x0 + r * p.x_strides.batch);
+    if constexpr (kStaged) {
+      const Word* warp_words = reinterpret_cast<const Word*>(src) - lane * P;
+      for (int m = 0; m < P; ++m) stage[warp][r][lane + 32 * m] = warp_words[lane + 32 * m];
+      __syncwarp();
+      for (int j = 0; j < P; ++j) history[r][j] = stage[warp][r][lane * P + j];
+    } else if (kInterleaved || p.cache_seqlens == nullptr) {
+      for (int j = 0; j < P; ++j) {
+        history[r][j] = *reinterpret_cast<const Word*>(src + j * g.state_word);
+      }
     } else {
-      for (int v = 0; v < V; ++v) bias[v] = A(0);
-    }
-
-    // One token: x and y have contiguous channels in either layout.
-    const int64_t x0 = b0 * p.x_strides.batch + d0;
-    const uint32_t in_row = d0 * g.state_channel;
-    T* rows_state[R];  // this thread's channels in each row's state; null for padding rows
-    for (int r = 0; r < R; ++r) {
-      const int64_t row = r < rows ? op.pool_row(b0 + r) : -1;
-      rows_state[r] = row < 0 ? nullptr : state + row * p.state_strides.batch + in_row;
-    }
-    // Plain loads, not read-only ones: this kernel writes the state it reads. Held as raw words:
-    // arrays of Vec copied from loads become byte-wise copies before the loops unroll.
-    Word token[R], history[R][P];
-    int ring[R];  // ring mode: the slot of history step 0, which the token replaces
-    for (int r = 0; r < R; ++r) {
-      const T* src = rows_state[r];
-      if (src == nullptr) continue;
-      token[r] = *reinterpret_cast<const Word*>(x + x0 + r * p.x_strides.batch);
-      if constexpr (kStaged) {
-        const Word* warp_words = reinterpret_cast<const Word*>(src) - lane * P;
-        for (int m = 0; m < P; ++m) stage[warp][r][lane + 32 * m] = warp_words[lane + 32 * m];
-        __syncwarp();
-        for (int j = 0; j < P; ++j) history[r][j] = stage[warp][r][lane * P + j];
-      } else if (kInterleaved || p.cache_seqlens == nullptr) {
-        for (int j = 0; j < P; ++j) {
-          history[r][j] = *reinterpret_cast<const Word*>(src + j * g.state_word);
-        }
-      } else {
-        // The ring has P slots: step j is position next - P + j, in slot (next + j) mod P. A
-        // position below 0 was never written and reads as 0.
-        const int next = p.cache_seqlens[b0 + r], slot = next % P;
-        ring[r] = slot < 0 ? slot + P : slot;
-        for (int j = 0; j < P; ++j) {
-          const int s = ring[r] + j < P ? ring[r] + j : ring[r] + j - P;
-          const Word word = *reinterpret_cast<const Word*>(src + s * g.state_word);
-          history[r][j] = next < P - j ? Word{} : word;
-        }
+      // The ring has P slots: step j is position next - P + j, in slot (next + j) mod P. A
+      // position below 0 was never written and reads as 0.
+      const int next = p.cache_seqlens[b0 + r], slot = next % P;
+      ring[r] = slot < 0 ? slot + P : slot;
+      for (int j = 0; j < P; ++j) {
+        const int s = ring[r] + j < P ? ring[r] + j : ring[r] + j - P;
+        const Word word = *reinterpret_cast<const Word*>(src + s * g.state_word);
+        history[r][j] = next < P - j ? Word{} : word;
       }
     }
+  }
 
+  with_bool_constant(p.silu, [&](auto silu) {
 #pragma unroll
     for (int r = 0; r < R && r < rows; ++r) {
       T* y_row = y + x0 + r * p.x_strides.batch;
@@ -186,23 +190,27 @@ __global__ void __launch_bounds__(kUpdateThreads, 2)
         store_streaming(y_row, zero_vec<T, V>());
         continue;
       }
-      const auto element = [&](int c, int j) {
-        return from_raw<T, V>(history[r][at(c, j) / V]).v[at(c, j) % V];
-      };
-      const Vec<T, V> now = from_raw<T, V>(token[r]);
-      Vec<T, V> out;
+      A now[V], past[P][V];
+      widen(from_raw<T, V>(token[r]), now);
+      for (int j = 0; j < P; ++j) widen(from_raw<T, V>(history[r][j]), past[j]);
+      A out[V];
       for (int v = 0; v < V; ++v) {
-        A z = bias[v] + w[v * K + P] * to_acc<A>(now.v[v]);
-        for (int k = 0; k < P; ++k) z += w[v * K + k] * to_acc<A>(element(v, k));
-        out.v[v] = from_acc<T>(activate(z, p.silu));
+        A z = bias[v] + w[v * K + P] * now[v];
+        for (int k = 0; k < P; ++k) z += w[v * K + k] * past[at(v, k) / V][at(v, k) % V];
+        out[v] = activate(z, silu);
       }
-      store_streaming(y_row, out);
+      store_streaming(y_row, narrow<T, V>(out));
       if constexpr (kInterleaved) {
+        // The shift moves the stored elements, not their widened copies.
+        const Vec<T, V> token_vec = from_raw<T, V>(token[r]);
+        const auto element = [&](int c, int j) {
+          return from_raw<T, V>(history[r][at(c, j) / V]).v[at(c, j) % V];
+        };
         for (int j = 0; j < P; ++j) {
           Vec<T, V> shifted;
           for (int i = 0; i < V; ++i) {
             const int c = (j * V + i) / P, s = (j * V + i) % P;
-            shifted.v[i] = s + 1 < P ? element(c, s + 1) : now.v[c];
+            shifted.v[i] = s + 1 < P ? element(c, s + 1) : token_vec.v[c];
           }
           if constexpr (kStaged) {
             stage[warp][r][lane * P + j] = to_raw(shifted);  // the slots this lane read
@@ -219,15 +227,15 @@ __global__ void __launch_bounds__(kUpdateThreads, 2)
           }
         }
       } else if (p.cache_seqlens != nullptr) {
-        store_streaming(dst + ring[r] * g.state_word, now);
+        store_streaming(dst + ring[r] * g.state_word, from_raw<T, V>(token[r]));
       } else {
         for (int j = 0; j + 1 < P; ++j) {
           store_streaming(dst + j * g.state_word, from_raw<T, V>(history[r][j + 1]));
         }
-        store_streaming(dst + (P - 1) * g.state_word, now);
+        store_streaming(dst + (P - 1) * g.state_word, from_raw<T, V>(token[r]));
       }
     }
-  }
+  });
 }
 
 int64_t update_blocks(int64_t threads) {
@@ -238,16 +246,18 @@ int64_t update_blocks(int64_t threads) {
 template <typename T, typename A, int K, int V, bool kInterleaved, bool kStaged>
 void launch_token(cudaStream_t stream, const UpdateParams& p) {
   constexpr int R = token_rows<T, A, K, V>();
-  const int64_t group_rows = p.batch / p.groups, tiles_per_group = (group_rows + R - 1) / R;
-  const int64_t vectors = p.channels / V;
-  const TokenGrid g{static_cast<uint32_t>(p.groups * tiles_per_group * vectors),
-                    static_cast<uint32_t>(vectors),
-                    static_cast<uint32_t>(tiles_per_group),
+  const int64_t group_rows = p.batch / p.groups, vectors = p.channels / V;
+  const TokenGrid g{static_cast<uint32_t>(vectors),
+                    static_cast<uint32_t>((group_rows + R - 1) / R),
                     static_cast<uint32_t>(group_rows),
                     static_cast<int32_t>(p.state_strides.channel),
                     static_cast<int32_t>(kInterleaved ? V : p.state_strides.time)};
-  update_token_kernel<T, A, K, V, kInterleaved, kStaged>
-      <<<update_blocks(g.work), kUpdateThreads, 0, stream>>>(p, g);
+  const uint32_t across =
+      static_cast<uint32_t>(std::min<int64_t>(kUpdateThreads, (vectors + 31) / 32 * 32));
+  const dim3 block(across, kUpdateThreads / across);
+  const dim3 grid((g.vectors + block.x - 1) / block.x, (g.tiles + block.y - 1) / block.y,
+                  static_cast<uint32_t>(p.groups));
+  update_token_kernel<T, A, K, V, kInterleaved, kStaged><<<grid, block, 0, stream>>>(p, g);
 }
 
 template <typename T, typename A, int kWidth>
@@ -255,17 +265,19 @@ ffi::Error launch_update(cudaStream_t stream, const UpdateParams& p) {
   const int64_t work = p.batch * p.channels;
   if (work == 0) return ffi::Error::Success();
   if constexpr (kWidth > 0) {
-    // The token kernel indexes a row's channels and its threads in 32 bits.
-    const int64_t limit = std::numeric_limits<int32_t>::max();
-    if (p.tokens == 1 && p.state_len == kWidth - 1 && work <= limit &&
-        p.channels * p.state_len <= limit) {
+    // The token kernel indexes a row's state in 32 bits, and its grid's y and z dimensions (at
+    // most one row tile a batch row, the weight groups) are at most 65535 blocks.
+    constexpr int64_t kGridLimit = 65535;
+    if (p.tokens == 1 && p.state_len == kWidth - 1 &&
+        p.channels * p.state_len <= std::numeric_limits<int32_t>::max() &&
+        p.batch / p.groups <= kGridLimit && p.groups <= kGridLimit) {
       constexpr int V = kPack<T>;
       // Channel vectors need channels that they tile and 16-byte aligned buffers. Channel-first,
       // a vector holds whole rings, whose rotation by cache_seqlens is not between fixed registers.
       const bool vectors = p.channels % V == 0 && aligned16(p.x) && aligned16(p.y) &&
                            aligned16(p.state) && aligned16(p.weight) && aligned16(p.bias);
-      // Staged, each warp's lanes take 32 consecutive vectors of the same rows: every warp is
-      // whole (work is a multiple of 32) and within one row's vectors.
+      // Staged, each warp's lanes take 32 consecutive vectors of the same rows: with the vectors a
+      // multiple of 32 (and so the block's x extent), every warp is whole or past the vectors.
       if (vectors && p.channel_last) {
         launch_token<T, A, kWidth, V, false, false>(stream, p);
       } else if (vectors && p.cache_seqlens == nullptr && (p.channels / V) % 32 == 0) {

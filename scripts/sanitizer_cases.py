@@ -4,10 +4,11 @@ Covers both layouts, seq_idx cases with padding (one boundary, or many so that k
 the boundary tests inside a segment take both paths), an L < K-1 case with states, a long
 generic-K case, channel-first rows long and many enough for the backward's edge-free segments,
 short channel-first rows of a few packs, decode steps of the one-token kernel (channel-last,
-channel-first with and without the shared-memory staging, ring mode, a pool with padding rows)
-and of the generic one, and checks each result against the reference so a wrong
-answer also fails the run. Each printed line starts with the case's index; `--start N` runs the
-cases from index N on (scripts/gpu_check.sh resumes with it after a sanitizer crash).
+channel-first with and without the shared-memory staging, ring mode, a pool with padding rows,
+grids of several blocks with threads past the channels and rows) and of the generic one, and
+checks each result against the reference so a wrong answer also fails the run. Each printed line
+starts with the case's index; `--start N` runs the cases from index N on (scripts/gpu_check.sh
+resumes with it after a sanitizer crash).
 """
 
 import argparse
@@ -60,6 +61,8 @@ UPDATE_CASES = [
     (5, 48, 3, "BLD", jnp.float16, True, 9),
     (3, 20, 4, "BDL", jnp.float32, True, 0),     # channel-first ring: one channel a thread
     (3, 24, 12, "BLD", jnp.bfloat16, False, 0),  # generic kernel: width past the compiled ones
+    (37, 48, 4, "BLD", jnp.bfloat16, False, 0),  # grid: threads past the vectors and the tiles
+    (5, 4096, 4, "BDL", jnp.bfloat16, False, 0),  # grid: staged, two blocks along x, three along y
 ]
 
 

@@ -4,6 +4,7 @@ shuffled state pool, in place under donation, under vmap, and its argument check
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -96,13 +97,13 @@ def test_widths(width, mode, dev):
     np.testing.assert_array_equal(np.asarray(new_state, np.float64), np.asarray(state_ref))
 
 
-def one_token_check(rng, dtype, layout, mode, B, D, K, dev, pool=None, indices=None):
+def one_token_check(rng, dtype, layout, mode, B, D, K, dev, pool=None, indices=None, activation="silu"):
     """One decode step against the reference: y at DESIGN tolerance, the state exactly."""
     S = K - 1
     x = jnp.asarray(rng.standard_normal((B, D)), dtype)
     state = x_like(rng, pool or B, S, D, dtype, layout)
     w, b = weights(rng, D, K)
-    kwargs = dict(activation="silu", layout=layout)
+    kwargs = dict(activation=activation, layout=layout)
     if mode == "ring":
         kwargs["cache_seqlens"] = jnp.asarray(rng.integers(-2, 4 * S + 3, B), jnp.int32)
     if indices is not None:
@@ -151,6 +152,38 @@ def test_one_token_staged(dtype, width, dev):
     rng = np.random.default_rng(170 + DTYPES.index(dtype) * 8 + width)
     one_token_check(rng, dtype, "BDL", "shift", 7, 512, width, dev)
     one_token_check(rng, dtype, "BDL", "shift", 7, 512, width, dev, pool=9, indices=[3, -1, 0, 8, 9, 5, 1])
+
+
+# The GPU's one-token kernel compiles the step with silu and without; this takes the path without
+# in each of its variants: channel vectors (staged channel-first in shift mode: D = 512), and one
+# channel a thread (D = 5).
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("channels", [512, 5])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_token_without_activation(dtype, mode, layout, channels, dev):
+    case = DTYPES.index(dtype) * 8 + MODES.index(mode) * 4 + LAYOUTS.index(layout) * 2 + (channels == 5)
+    rng = np.random.default_rng(700 + case)
+    check = partial(one_token_check, rng, dtype, layout, mode, 7, channels, 4, dev, activation=None)
+    check()
+    check(pool=9, indices=[3, -1, 0, 8, 9, 5, 1])
+
+
+# The GPU's one-token kernel takes its channel vector from the grid's x index and its row tile (2
+# bf16 rows at K = 4) from y; z, the weight groups, is test_one_token_weight_groups'. D = 4096 is
+# 512 vectors, two blocks of 256 threads along x, and B = 5 three tiles, three blocks along y.
+# D = 48 is 6 vectors: a block of 32 x 8 threads, most of them past the vectors, and B = 37 is 19
+# tiles, three blocks along y whose last has threads past the tiles. Beyond 65535 rows a weight
+# group the generic kernel takes the step.
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("mode", MODES)
+def test_one_token_grid(mode, layout, dev):
+    rng = np.random.default_rng(720 + MODES.index(mode) * 2 + LAYOUTS.index(layout))
+    one_token_check(rng, jnp.bfloat16, layout, mode, 5, 4096, 4, dev)
+    one_token_check(rng, jnp.bfloat16, layout, mode, 37, 48, 4, dev)
+    one_token_check(rng, jnp.bfloat16, layout, mode, 65537, 8, 4, dev)
 
 
 @pytest.mark.parametrize("dev", DEVICES)
