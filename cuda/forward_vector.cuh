@@ -159,7 +159,7 @@ constexpr int channel_first_forward_min_blocks() {
 template <typename T, int K, bool kMasked>
 __global__ void
 __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, kMasked>())
-    forward_channel_first_kernel(ConvParams p, int64_t chunk_len) {
+    forward_channel_first_kernel(ConvParams p, ChannelFirstSplit split) {
   constexpr int V = kPack<T>;
   constexpr int P = K - 1;
   constexpr int64_t kSegment = kLanes * V;
@@ -219,7 +219,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
       }
     }
   };
-  for_each_channel_first_item<V, P, kMasked>(p, chunk_len, 0, run);
+  for_each_channel_first_item<V, P, kMasked>(p, split, 0, run);
 }
 
 // Warp items whose rows a short-row lane has in flight: 4 x 16 bytes, 2 KB per warp; 24 warps per
