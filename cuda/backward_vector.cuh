@@ -370,27 +370,22 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
     SegmentDelta<V> current, next;
     segment_delta(item.c0, current, std::false_type{});
     if (item.c0 == 0 && p.dinitial_state != nullptr) {
-      // dS = dx on [-P, 0): taps of outputs 0 .. P-1, which lanes 0 and 1 hold: their deltas, and
-      // their seq_idx entries (0 without seq_idx), -1 where they do not exist.
+      // dS = dx on [-P, 0): taps of outputs 0 .. P-1, which lanes 0 and 1 hold. The rows here
+      // are longer than 32 packs (shorter ones take backward_short_rows_kernel): those outputs
+      // exist, and no time of dS is one of the final state's.
       float first[P];
-      int32_t first_segment[P];
-      for (int t = 0; t < P; ++t) {
-        const int64_t own = lane * V + t % V;  // this lane's time in t's place
-        const int32_t segment = own < p.length ? (kMasked ? conv.segment(item.b, own) : 0) : -1;
-        first[t] = __shfl_sync(kFullWarp, current.delta[t % V], t / V);
-        first_segment[t] = __shfl_sync(kFullWarp, segment, t / V);
-      }
+      for (int t = 0; t < P; ++t) first[t] = __shfl_sync(kFullWarp, current.delta[t % V], t / V);
       if (lane == 0) {
         const int32_t segment_u = kMasked ? conv.segment(item.b, 0) : 0;
+        T* ds_row = static_cast<T*>(p.dinitial_state) + item.row * P;
         for (int i = 0; i < P; ++i) {
           float acc = 0.0f;
           for (int k = 0; k <= i; ++k) {
             const int t = i - k;
-            const bool used = kMasked ? same_segment(first_segment[t], segment_u) : first_segment[t] >= 0;
+            const bool used = !kMasked || same_segment(conv.segment(item.b, t), segment_u);
             acc = used ? fmaf(w[k][0], first[t], acc) : acc;
           }
-          acc += conv.final_state_grad(item.b, i - P, item.d);
-          conv.store_state_like(p.dinitial_state, item.b, i, item.d, acc);
+          ds_row[i] = from_acc<T>(acc);
         }
       }
     }
