@@ -173,7 +173,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
     T* y_row = static_cast<T*>(p.y) + item.row * p.length;
     const int32_t* segment_row = kMasked ? p.seq_idx + item.b * p.length : nullptr;
     float w[K][1], bias[1];
-    load_weights(conv, item.b, item.d, w, bias);
+    load_param_rows<T>(p, [&](int) { return item.param_row; }, w, bias);
     ChannelFirstCarry<K> carry;
     carry.load(conv, item.b, item.c0, item.d);
     // The lane's packs of the next kAhead segments, loaded before they are needed.
