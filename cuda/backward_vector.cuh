@@ -229,16 +229,17 @@ struct SegmentDelta {
   float delta[V];
 };
 
-// Sums over the warp of each lane's values[0 .. N): lane i < N returns value i's sum (the others
-// padding's). A reduce-scatter: the values padded to a power of two, each level of the first
-// log2 of that exchanges half of them with lane l ^ half and keeps the half of bit `half` of l;
-// then the levels left sum the one value. N = 5 takes 4 + 2 + 1 + 1 + 1 = 9 shuffles against 25
-// for a tree per value. Each value's sums run in one fixed order (a + b = b + a exactly).
 constexpr int power_of_two_from(int n) {
   int p = 1;
   while (p < n) p *= 2;
   return p;
 }
+
+// Sums over the warp of each lane's values[0 .. N): lane i returns the sum of value i modulo N
+// padded to a power of two (lane i < N: value i's; padding sums to 0). A reduce-scatter: the values padded to a power of two, each level of the first
+// log2 of that exchanges half of them with lane l ^ half and keeps the half of bit `half` of l;
+// then the levels left sum the one value. N = 5 takes 4 + 2 + 1 + 1 + 1 = 9 shuffles against 25
+// for a tree per value. Each value's sums run in one fixed order (a + b = b + a exactly).
 template <int N>
 __device__ __forceinline__ float warp_sum_scatter(const float (&values)[N], int lane) {
   constexpr int kPadded = power_of_two_from(N);
@@ -256,7 +257,9 @@ __device__ __forceinline__ float warp_sum_scatter(const float (&values)[N], int 
     }
   }
 #pragma unroll
-  for (int lanes = kPadded; lanes < kLanes; lanes *= 2) v[0] += __shfl_xor_sync(kFullWarp, v[0], lanes);
+  for (int lanes = kPadded; lanes < kLanes; lanes *= 2) {
+    v[0] += __shfl_xor_sync(kFullWarp, v[0], lanes);
+  }
   return v[0];
 }
 

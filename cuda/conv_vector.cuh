@@ -246,19 +246,21 @@ __device__ __forceinline__ void load_segments(const int32_t* src, bool live, int
 
 // ---- channel-first rows: a warp streams a row in segments of 32 packs of V times ----
 
-// n / d for 0 <= n < 2^63 by a multiply-high and a shift instead of a 64-bit division (some 70
-// instructions, a call on sm_90): q = umulhi(2n, m) >> s = floor(n m / 2^(63+s)), s = ceil(log2 d),
-// m = ceil(2^(63+s) / d) = (2^(63+s) + r) / d with 0 <= r < d. Exact: n m / 2^(63+s) = n / d + e
-// with e = n r / (d 2^(63+s)) < 2^63 d / (d 2^(63+s)) = 2^-s <= 1 / d, and n / d = q' + t / d with
-// t <= d - 1, so floor(n / d + e) = q'. Fits: 2n < 2^64, and m < 2^64 (m = 2^63 for d = 2^s; else
-// d >= 2^(s-1) + 1 and 2^(63+s) / d <= 2^64 - 2^64 / (2^(s-1) + 1), at least 1 below 2^64).
+// n / d for 0 <= n < 2^63 (d >= 1) by a multiply-high and a shift instead of a 64-bit division
+// (a 32-bit shortcut and a call to a division routine on sm_90). With s = ceil(log2 d) and
+// m = ceil(2^(63+s) / d) = (2^(63+s) + r) / d, 0 <= r < d:
+//   umulhi(2n, m) >> s = floor(n m / 2^(63+s)) = floor(n / d + e),
+//   e = n r / (d 2^(63+s)) < 2^63 d / (d 2^(63+s)) = 2^-s <= 1 / d,
+// and n / d = q + t / d with t <= d - 1, so the floor is q. It fits: 2n < 2^64, and m < 2^64 (for
+// d = 2^s, m = 2^63; else d >= 2^(s-1) + 1 and 2^(63+s) / d <= 2^64 - 2^64 / (2^(s-1) + 1), at
+// least 1 below 2^64).
 struct FastDivisor {
   int64_t d;
   uint64_t m;
   int s;
 
-  explicit FastDivisor(int64_t divisor) : d(divisor), m(0), s(0) {  // divisor >= 1
-    while ((int64_t{1} << s) < d) ++s;
+  explicit FastDivisor(int64_t divisor) : d(divisor), m(0), s(0) {
+    while ((uint64_t{1} << s) < static_cast<uint64_t>(d)) ++s;
     const unsigned __int128 scaled = static_cast<unsigned __int128>(1) << (63 + s);
     m = static_cast<uint64_t>((scaled + static_cast<uint64_t>(d) - 1) / static_cast<uint64_t>(d));
   }
@@ -291,7 +293,8 @@ struct ChannelFirstItem {
   int64_t chunks, chunk, row, b, d, c0, c1, param_row;
 
   // The first channel of item `item` of a kernel whose items take `channels` consecutive channels
-  // of one (b, chunk) each (the last item of a batch row fewer, when D is not a multiple), split.
+  // of one (b, chunk) each (the last item of a batch row fewer, when D is not a multiple), its
+  // rows cut as split says (built for `channels`).
   __device__ __forceinline__ ChannelFirstItem(int64_t item, const ChannelFirstSplit& split,
                                               const ConvParams& p, int channels)
       : chunks(split.chunks.d) {
@@ -539,9 +542,10 @@ __device__ __forceinline__ void halo_after(const U (&own)[V], const U (&next)[V]
 }
 
 // Runs run(item, uniform) for this warp's channel-first items (a grid-stride loop over warps) of
-// rows cut as split says (channels_per_item<kMasked>() channels per item). With seq_idx the channels
-// of an item share one UniformSegments, found over its segments from c0 to min(c1 + extra, L): the
-// times it loads (the backward's dx also needs the P after its own). Without seq_idx, all zero.
+// rows cut as split says (channels_per_item<kMasked>() channels per item). With seq_idx the
+// channels of an item share one UniformSegments, found over its segments from c0 to
+// min(c1 + extra, L): the times it loads (the backward's dx also needs the P after its own).
+// Without seq_idx, all zero.
 template <int V, int P, bool kMasked, typename Run>
 __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
                                                             const ChannelFirstSplit& split,
