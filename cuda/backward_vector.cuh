@@ -246,6 +246,40 @@ struct SegmentDelta {
   float delta[V];
 };
 
+constexpr int power_of_two_from(int n) {
+  int p = 1;
+  while (p < n) p *= 2;
+  return p;
+}
+
+// Sums over the warp of each lane's values[0 .. N): lane i returns the sum of value i modulo N
+// padded to a power of two (lane i < N: value i's; padding sums to 0). A reduce-scatter: the values padded to a power of two, each level of the first
+// log2 of that exchanges half of them with lane l ^ half and keeps the half of bit `half` of l;
+// then the levels left sum the one value. N = 5 takes 4 + 2 + 1 + 1 + 1 = 9 shuffles against 25
+// for a tree per value. Each value's sums run in one fixed order (a + b = b + a exactly).
+template <int N>
+__device__ __forceinline__ float warp_sum_scatter(const float (&values)[N], int lane) {
+  constexpr int kPadded = power_of_two_from(N);
+  static_assert(kPadded <= kLanes, "a value per lane at most");
+  float v[kPadded];
+#pragma unroll
+  for (int i = 0; i < kPadded; ++i) v[i] = i < N ? values[i] : 0.0f;
+#pragma unroll
+  for (int half = kPadded / 2; half > 0; half /= 2) {
+    const bool upper = lane & half;
+#pragma unroll
+    for (int j = 0; j < half; ++j) {
+      const float keep = upper ? v[j + half] : v[j];
+      v[j] = keep + __shfl_xor_sync(kFullWarp, upper ? v[j] : v[j + half], half);
+    }
+  }
+#pragma unroll
+  for (int lanes = kPadded; lanes < kLanes; lanes *= 2) {
+    v[0] += __shfl_xor_sync(kFullWarp, v[0], lanes);
+  }
+  return v[0];
+}
+
 // Blocks of kChannelFirstThreads per SM the channel-first backward's registers must allow (0: no
 // bound). It is bound by issue slots at its occupancy: left free, the 16-bit kernels took 102-167
 // registers (3-4 blocks of 128). Capped at 5 blocks (96 registers), bf16 K = 4 spills 28 bytes
@@ -268,14 +302,14 @@ constexpr int channel_first_backward_min_blocks() {
 // segments of 32 V times, lane l owning V consecutive times of each. Per segment it computes delta
 // (x halos from lower lanes by shuffle) and, once the next segment's delta is known, dx (delta
 // halos from higher lanes or the next segment). dw/db stay in registers until the chunk ends, then
-// one fixed shuffle tree sums them into partials[b, chunk, d, 0..K]. A chunk that ends before the
+// warp_sum_scatter sums them into partials[b, chunk, d, 0..K]. A chunk that ends before the
 // row does computes the first P deltas after it again (they belong to the next chunk). With
 // seq_idx, a warp item takes kUniformChannels channels, whose uniform segments it finds once; those
 // run the unmasked arithmetic, the others load their seq_idx entries.
 template <typename T, int K, bool kMasked>
 __global__ void
 __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, kMasked>())
-    backward_channel_first_kernel(ConvParams p, float* partials, int64_t chunk_len) {
+    backward_channel_first_kernel(ConvParams p, float* partials, ChannelFirstSplit split) {
   constexpr int V = kPack<T>;
   constexpr int P = K - 1;
   constexpr int64_t kSegment = kLanes * V;
@@ -299,10 +333,14 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
     const int64_t lane_at = item.row * p.length + lane * V;
     const int64_t lane_end = loaded_end - lane * V;
     float w[K][1], bias[1];
-    load_weights(conv, item.b, item.d, w, bias);
+    load_param_rows<T>(p, [&](int) { return item.param_row; }, w, bias);
     const int32_t* segment_row = kMasked ? p.seq_idx + item.b * p.length : nullptr;
     ChannelFirstCarry<K> carry;
-    carry.load(conv, item.b, item.c0, item.d);
+    carry.load(static_cast<const T*>(p.x) + item.row * p.length,
+               p.initial_state == nullptr
+                   ? nullptr
+                   : static_cast<const T*>(p.initial_state) + item.row * P,
+               item.c0);
     float dw[K + 1] = {};  // dw[K] is db
 
     // The lane's x and dy packs of the next kBackwardAhead segments that segment_delta will take,
@@ -352,27 +390,22 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
     SegmentDelta<V> current, next;
     segment_delta(item.c0, current, std::false_type{});
     if (item.c0 == 0 && p.dinitial_state != nullptr) {
-      // dS = dx on [-P, 0): taps of outputs 0 .. P-1, which lanes 0 and 1 hold: their deltas, and
-      // their seq_idx entries (0 without seq_idx), -1 where they do not exist.
+      // dS = dx on [-P, 0): taps of outputs 0 .. P-1, which lanes 0 and 1 hold. The rows here
+      // are longer than 32 packs (shorter ones take backward_short_rows_kernel): those outputs
+      // exist, and no time of dS is one of the final state's.
       float first[P];
-      int32_t first_segment[P];
-      for (int t = 0; t < P; ++t) {
-        const int64_t own = lane * V + t % V;  // this lane's time in t's place
-        const int32_t segment = own < p.length ? (kMasked ? conv.segment(item.b, own) : 0) : -1;
-        first[t] = __shfl_sync(kFullWarp, current.delta[t % V], t / V);
-        first_segment[t] = __shfl_sync(kFullWarp, segment, t / V);
-      }
+      for (int t = 0; t < P; ++t) first[t] = __shfl_sync(kFullWarp, current.delta[t % V], t / V);
       if (lane == 0) {
         const int32_t segment_u = kMasked ? conv.segment(item.b, 0) : 0;
+        T* ds_row = static_cast<T*>(p.dinitial_state) + item.row * P;
         for (int i = 0; i < P; ++i) {
           float acc = 0.0f;
           for (int k = 0; k <= i; ++k) {
             const int t = i - k;
-            const bool used = kMasked ? same_segment(first_segment[t], segment_u) : first_segment[t] >= 0;
+            const bool used = !kMasked || same_segment(conv.segment(item.b, t), segment_u);
             acc = used ? fmaf(w[k][0], first[t], acc) : acc;
           }
-          acc += conv.final_state_grad(item.b, i - P, item.d);
-          conv.store_state_like(p.dinitial_state, item.b, i, item.d, acc);
+          ds_row[i] = from_acc<T>(acc);
         }
       }
     }
@@ -436,20 +469,15 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
     int64_t s = item.c0;
     for (; s + 2 * kSegment <= item.c1; s += kSegment) segment_dx(s, std::true_type{});
     for (; s < item.c1; s += kSegment) segment_dx(s, std::false_type{});
-    for (int k = 0; k <= K; ++k) {
-      for (int lanes = kLanes / 2; lanes > 0; lanes /= 2) {
-        dw[k] += __shfl_xor_sync(kFullWarp, dw[k], lanes);
-      }
-    }
+    const float sum = warp_sum_scatter(dw, lane);
     ring_wait<0>();  // the fetches past the item land before the next item's reuse their slots
-    if (lane == 0) {
-      float* out = partials + ((item.b * item.chunks + item.chunk) * p.channels + item.d) * (K + 1);
-      for (int k = 0; k <= K; ++k) out[k] = dw[k];
+    if (lane <= K) {
+      partials[((item.b * item.chunks + item.chunk) * p.channels + item.d) * (K + 1) + lane] = sum;
     }
   };
   with_bool_constant(p.silu, [&](auto silu) {
     for_each_channel_first_item<V, P, kMasked>(
-        p, chunk_len, P,
+        p, split, P,
         [&](const ChannelFirstItem& item, UniformSegments uniform) { run(item, uniform, silu); });
   });
 }

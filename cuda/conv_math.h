@@ -234,10 +234,16 @@ CAUSAL_CONV_HD void store_param(void* base, int64_t i, A v, bool like_x) {
 
 // Row (b, d)'s weights and bias, for Conv and Update: params p (ConvParams or UpdateParams) holds
 // batch, groups, channels, weight, bias and params_like_x. param_row is the row's index in bias,
-// and times the width its first weight's in weight.
+// and times the width its first weight's in weight; batch_per_group is p.batch / p.groups, or
+// anything that divides b as it would (the CUDA kernels' FastDivisor).
+template <typename Params, typename Divisor>
+CAUSAL_CONV_HD int64_t param_row_of(const Params& p, int64_t b, int64_t d,
+                                    const Divisor& batch_per_group) {
+  return b / batch_per_group * p.channels + d;
+}
 template <typename Params>
 CAUSAL_CONV_HD int64_t param_row_of(const Params& p, int64_t b, int64_t d) {
-  return b / (p.batch / p.groups) * p.channels + d;
+  return param_row_of(p, b, d, p.batch / p.groups);
 }
 template <typename T, typename A, typename Params>
 CAUSAL_CONV_HD A weight_of(const Params& p, int64_t b, int64_t d, int64_t width, int64_t k) {

@@ -246,25 +246,66 @@ __device__ __forceinline__ void load_segments(const int32_t* src, bool live, int
 
 // ---- channel-first rows: a warp streams a row in segments of 32 packs of V times ----
 
-// A channel-first warp item: times [c0, c1) of row `row` = (b, d) of the (B, D, L) tensor, its
-// chunk-th chunk of chunks.
-struct ChannelFirstItem {
-  int64_t chunks, chunk, row, b, d, c0, c1;
+// n / d for 0 <= n < 2^63 (d >= 1) by a multiply-high and a shift instead of a 64-bit division
+// (a 32-bit shortcut and a call to a division routine on sm_90). With s = ceil(log2 d) and
+// m = ceil(2^(63+s) / d) = (2^(63+s) + r) / d, 0 <= r < d:
+//   umulhi(2n, m) >> s = floor(n m / 2^(63+s)) = floor(n / d + e),
+//   e = n r / (d 2^(63+s)) < 2^63 d / (d 2^(63+s)) = 2^-s <= 1 / d,
+// and n / d = q + t / d with t <= d - 1, so the floor is q. It fits: 2n < 2^64, and m < 2^64 (for
+// d = 2^s, m = 2^63; else d >= 2^(s-1) + 1 and 2^(63+s) / d <= 2^64 - 2^64 / (2^(s-1) + 1), at
+// least 1 below 2^64).
+struct FastDivisor {
+  int64_t d;
+  uint64_t m;
+  int s;
 
-  __device__ __forceinline__ ChannelFirstItem(int64_t item, int64_t chunks, int64_t chunk_len,
-                                              const ConvParams& p)
-      : chunks(chunks), chunk(item % chunks), row(item / chunks), b(row / p.channels),
-        d(row % p.channels), c0(chunk * chunk_len), c1(std::min(c0 + chunk_len, p.length)) {}
+  explicit FastDivisor(int64_t divisor) : d(divisor), m(0), s(0) {
+    while ((uint64_t{1} << s) < static_cast<uint64_t>(d)) ++s;
+    const unsigned __int128 scaled = static_cast<unsigned __int128>(1) << (63 + s);
+    m = static_cast<uint64_t>((scaled + static_cast<uint64_t>(d) - 1) / static_cast<uint64_t>(d));
+  }
+
+  friend __device__ __forceinline__ int64_t operator/(int64_t n, const FastDivisor& by) {
+    return static_cast<int64_t>(__umul64hi(static_cast<uint64_t>(n) << 1, by.m) >> by.s);
+  }
+};
+
+// How a channel-first launch cuts its rows into warp items (built on the host): items of G
+// consecutive channels (channels_per_item) of one batch row, times [c, c + chunk_len) of it, in the
+// order (b, channel group, chunk); the divisors that take an item's index apart, and the param
+// row's batch / groups (param_row_of).
+struct ChannelFirstSplit {
+  int64_t chunk_len;
+  FastDivisor chunks;          // chunks per row
+  FastDivisor channel_groups;  // items of G channels per batch row and chunk: D / G rounded up
+  FastDivisor batch_per_group;
+
+  ChannelFirstSplit(const ConvParams& p, int64_t chunk_len, int channels_per_item)
+      : chunk_len(chunk_len),
+        chunks((p.length + chunk_len - 1) / chunk_len),
+        channel_groups((p.channels + channels_per_item - 1) / channels_per_item),
+        batch_per_group(p.batch / p.groups) {}
+};
+
+// A channel-first warp item: times [c0, c1) of row `row` = (b, d) of the (B, D, L) tensor, its
+// chunk-th chunk of chunks; param_row its weights' and bias's row (Conv::param_row).
+struct ChannelFirstItem {
+  int64_t chunks, chunk, row, b, d, c0, c1, param_row;
 
   // The first channel of item `item` of a kernel whose items take `channels` consecutive channels
-  // of one (b, chunk) each (the last item of a batch row fewer, when D is not a multiple).
-  __device__ __forceinline__ ChannelFirstItem(int64_t item, int64_t chunks, int64_t chunk_len,
+  // of one (b, chunk) each (the last item of a batch row fewer, when D is not a multiple), its
+  // rows cut as split says (built for `channels`).
+  __device__ __forceinline__ ChannelFirstItem(int64_t item, const ChannelFirstSplit& split,
                                               const ConvParams& p, int channels)
-      : ChannelFirstItem(item, chunks, chunk_len, p) {
-    const int64_t groups = (p.channels + channels - 1) / channels;
-    b = row / groups;
-    d = row % groups * channels;
+      : chunks(split.chunks.d) {
+    const int64_t group_row = item / split.chunks;
+    chunk = item - group_row * chunks;
+    b = group_row / split.channel_groups;
+    d = (group_row - b * split.channel_groups.d) * channels;
     row = b * p.channels + d;
+    c0 = chunk * split.chunk_len;
+    c1 = std::min(c0 + split.chunk_len, p.length);
+    param_row = param_row_of(p, b, d, split.batch_per_group);
   }
 
   // The same times of channel d + offset.
@@ -272,6 +313,7 @@ struct ChannelFirstItem {
     ChannelFirstItem other = *this;
     other.d += offset;
     other.row += offset;
+    other.param_row += offset;
     return other;
   }
 };
@@ -500,24 +542,25 @@ __device__ __forceinline__ void halo_after(const U (&own)[V], const U (&next)[V]
 }
 
 // Runs run(item, uniform) for this warp's channel-first items (a grid-stride loop over warps) of
-// rows cut into chunks of chunk_len times. With seq_idx an item takes channels_per_item channels
-// and they share one UniformSegments, found over its segments from c0 to min(c1 + extra, L): the
-// times it loads (the backward's dx also needs the P after its own). Without seq_idx, all zero.
+// rows cut as split says (channels_per_item<kMasked>() channels per item). With seq_idx the
+// channels of an item share one UniformSegments, found over its segments from c0 to
+// min(c1 + extra, L): the times it loads (the backward's dx also needs the P after its own).
+// Without seq_idx, all zero.
 template <int V, int P, bool kMasked, typename Run>
-__device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p, int64_t chunk_len,
+__device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
+                                                            const ChannelFirstSplit& split,
                                                             int64_t extra, const Run& run) {
   constexpr int64_t kSegment = kLanes * V;
   constexpr int G = channels_per_item<kMasked>();
   const int lane = threadIdx.x % kLanes;
-  const int64_t chunks = (p.length + chunk_len - 1) / chunk_len;
-  const int64_t items = channel_first_items<kMasked>(p, chunks);
+  const int64_t items = channel_first_items<kMasked>(p, split.chunks.d);
   const int64_t warps_per_grid = int64_t{gridDim.x} * (blockDim.x / kLanes);
   for (int64_t i = blockIdx.x * int64_t{blockDim.x / kLanes} + threadIdx.x / kLanes;
        i < items; i += warps_per_grid) {
+    const ChannelFirstItem first(i, split, p, G);
     if constexpr (G == 1) {
-      run(ChannelFirstItem(i, chunks, chunk_len, p), UniformSegments{0, 0});
+      run(first, UniformSegments{0, 0});
     } else {
-      const ChannelFirstItem first(i, chunks, chunk_len, p, G);
       const int64_t end = std::min(first.c1 + extra, p.length);
       const int count = static_cast<int>(
           std::min<int64_t>(kUniformSegments, (end - first.c0 + kSegment - 1) / kSegment));

@@ -339,8 +339,9 @@ void launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
     constexpr auto kernel = forward_channel_first_kernel<T, K, kMasked>;
     const int64_t chunk_len = channel_first_chunk_for<kernel, T, kMasked>(
         p, forward_item_segments<kMasked>());
-    const int64_t items = channel_first_items<kMasked>(p, (p.length + chunk_len - 1) / chunk_len);
-    kernel<<<grid_for_warps(items), kChannelFirstThreads, 0, stream>>>(p, chunk_len);
+    const ChannelFirstSplit split(p, chunk_len, channels_per_item<kMasked>());
+    const int64_t items = channel_first_items<kMasked>(p, split.chunks.d);
+    kernel<<<grid_for_warps(items), kChannelFirstThreads, 0, stream>>>(p, split);
   }
 }
 
@@ -368,10 +369,10 @@ int64_t launch_vector_backward(cudaStream_t stream, const ConvParams& p, float* 
   constexpr auto kernel = backward_channel_first_kernel<T, K, kMasked>;
   const int64_t chunk_len =
       channel_first_chunk_for<kernel, T, kMasked>(p, backward_item_segments<kMasked>());
-  const int64_t chunks = (p.length + chunk_len - 1) / chunk_len;
-  const int64_t items = channel_first_items<kMasked>(p, chunks);
-  kernel<<<grid_for_warps(items), kChannelFirstThreads, 0, stream>>>(p, partials, chunk_len);
-  return chunks;
+  const ChannelFirstSplit split(p, chunk_len, channels_per_item<kMasked>());
+  const int64_t items = channel_first_items<kMasked>(p, split.chunks.d);
+  kernel<<<grid_for_warps(items), kChannelFirstThreads, 0, stream>>>(p, partials, split);
+  return split.chunks.d;
 }
 
 // y: the vectorized kernels where they apply, else one thread per element.

@@ -162,7 +162,7 @@ constexpr int channel_first_forward_min_blocks() {
 template <typename T, int K, bool kMasked>
 __global__ void
 __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, kMasked>())
-    forward_channel_first_kernel(ConvParams p, int64_t chunk_len) {
+    forward_channel_first_kernel(ConvParams p, ChannelFirstSplit split) {
   constexpr int V = kPack<T>;
   constexpr int P = K - 1;
   constexpr int64_t kSegment = kLanes * V;
@@ -175,7 +175,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
     T* y_row = static_cast<T*>(p.y) + item.row * p.length;
     const int32_t* segment_row = kMasked ? p.seq_idx + item.b * p.length : nullptr;
     float w[K][1], bias[1];
-    load_weights(conv, item.b, item.d, w, bias);
+    load_param_rows<T>(p, [&](int) { return item.param_row; }, w, bias);
     ChannelFirstCarry<K> carry;
     carry.load(conv, item.b, item.c0, item.d);
     // The lane's packs of the next kAhead segments, loaded before they are needed.
@@ -208,7 +208,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
       if (live) store_vec(y_row + t0, narrow<T, V>(out));
     }
   };
-  for_each_channel_first_item<V, P, kMasked>(p, chunk_len, 0, run);
+  for_each_channel_first_item<V, P, kMasked>(p, split, 0, run);
 }
 
 // Warp items whose rows a short-row lane has in flight: 4 x 16 bytes, 2 KB per warp; 24 warps per
