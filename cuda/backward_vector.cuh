@@ -194,12 +194,7 @@ __device__ __forceinline__ void channel_first_deltas(const float (&w)[K][1], flo
   for (int v = 0; v < V; ++v) {
     const float z = channel_first_pre_activation<kSelect>(w, bias, xs, segments, v);
     const bool output = exists && !(kSelect && segments[P + v] < 0);
-    float d;
-    if constexpr (std::is_same_v<Silu, bool>) {
-      d = dy[v] * activation_grad(z, silu);
-    } else {
-      d = activation_vjp<Silu::value>(dy[v], z);
-    }
+    const float d = activation_vjp(dy[v], z, silu);  // before the select: no branch around it
     delta[v] = output ? d : 0.0f;
     if (accumulate) {
       dw[K] += delta[v];
@@ -252,11 +247,12 @@ constexpr int power_of_two_from(int n) {
   return p;
 }
 
-// Sums over the warp of each lane's values[0 .. N): lane i returns the sum of value i modulo N
-// padded to a power of two (lane i < N: value i's; padding sums to 0). A reduce-scatter: the values padded to a power of two, each level of the first
-// log2 of that exchanges half of them with lane l ^ half and keeps the half of bit `half` of l;
-// then the levels left sum the one value. N = 5 takes 4 + 2 + 1 + 1 + 1 = 9 shuffles against 25
-// for a tree per value. Each value's sums run in one fixed order (a + b = b + a exactly).
+// Sums over the warp of each lane's values[0 .. N), padded with zeros to kPadded (a power of two):
+// lane l returns the warp's sum of value l % kPadded (for l < N, value l's). A reduce-scatter: each
+// of the first log2(kPadded) levels exchanges half of the values a lane still holds with lane
+// l ^ half and keeps the half that bit `half` of l selects; the levels left sum the one value.
+// N = 5 takes 4 + 2 + 1 + 1 + 1 = 9 shuffles against 25 for a tree per value. Each sum runs in one
+// fixed order, so the backward stays deterministic.
 template <int N>
 __device__ __forceinline__ float warp_sum_scatter(const float (&values)[N], int lane) {
   constexpr int kPadded = power_of_two_from(N);
