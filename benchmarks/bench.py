@@ -66,7 +66,6 @@ OPS = ("fwd", "bwd", "fwd+bwd")
 GROUPS = ("main", "dtypes", "widths", "shapes", "features", "decode")
 DTYPE_NAMES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 # ||out - ref|| / ||ref|| bounds of DESIGN.md section 5, here against a float32 reference.
-TOLERANCE = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-5}
 COPY_MIN_BYTES = 64 << 20  # the copy-bandwidth check applies to arrays at least this large
 
 # ------------------------------------------------------------------------------------------ cases
@@ -542,7 +541,7 @@ def bench_case(case: Case, args: argparse.Namespace, log):
     if not args.no_check:
         errs = check_case(case, sets[0], [i for i in impls if i != "copy"])
         for impl, err in errs.items():
-            tol = TOLERANCE[case.dtype]
+            tol = reference.TOLERANCE[jnp.dtype(case.dtype)]
             status = "ok" if err <= tol else "FAILED"
             log(f"  check {impl}: max rel err {err:.2e} (tolerance {tol:.0e}) {status}")
             if err > tol:
@@ -638,7 +637,7 @@ def bench_decode(case: DecodeCase, args: argparse.Namespace, log):
         for impl in impls:
             got = jax.jit(update_fn(impl))(xs[0], states[0], w, b)
             err = max(rel_err(g, r) for g, r in zip(got, oracle))
-            tol = TOLERANCE[case.dtype]
+            tol = reference.TOLERANCE[jnp.dtype(case.dtype)]
             log(f"  check {impl}: max rel err {err:.2e} (tolerance {tol:.0e}) "
                 f"{'ok' if err <= tol else 'FAILED'}")
             if err > tol:

@@ -182,13 +182,12 @@ def main():
     def fwd(x, w, b, *state):  # state: the initial state with --features, else none
         return jcc.causal_conv1d(x, w, b, initial_state=state[0] if state else None, **kwargs)
 
-    def bwd(x, w, b, *state_and_cotangents):
-        state, cotangents = state_and_cotangents[:len(dy_state)], state_and_cotangents[len(dy_state):]
+    def bwd(x, w, b, state, cotangents):  # tuples: fwd's state, and (dy, the final state's)
         _, vjp = jax.vjp(fwd, x, w, b, *state)
-        return vjp(tuple(cotangents) if args.features else cotangents[0])
+        return vjp(cotangents if args.features else cotangents[0])
 
     fwd_jit, bwd_jit = jax.jit(fwd), jax.jit(bwd)
-    fwd_args, bwd_args = (x, w, b, *state), (x, w, b, *state, dy, *dy_state)
+    fwd_args, bwd_args = (x, w, b, *state), (x, w, b, state, (dy, *dy_state))
     if args.trace:
         print(f"{args.layout} B={batch} L={length} D={channels} K={args.width} bf16"
               f"{' +seq_idx+states' if args.features else ''}, {args.trace} calls each, "

@@ -23,8 +23,6 @@ constexpr int kThreads = 256;
 // blocks of 256 on the main workload (bf16 B=8 L=2048 D=4096 K=4): forward 81.5 against 85.3 us,
 // backward 150.5 against 163.4 (benchmarks/RESULTS.md, seventh session).
 constexpr int kChannelFirstThreads = 128;
-constexpr unsigned kFullWarp = 0xffffffffu;
-constexpr int kLanes = 32;
 
 // Channels per thread in the channel-last kernels: one 16-byte access, halved (down to 8-byte
 // accesses) while the thread's K x C weights would pass kBudget registers.

@@ -24,6 +24,10 @@ inline ffi::Error cuda_status(const char* where) {
                               cudaGetErrorString(err));
 }
 
+// A warp's lanes, and the mask of all of them for the *_sync intrinsics.
+constexpr int kLanes = 32;
+constexpr unsigned kFullWarp = 0xffffffffu;
+
 inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 // N consecutive elements moved by one load or store instruction (N * sizeof(T) <= 16 bytes).

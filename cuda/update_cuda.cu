@@ -117,13 +117,13 @@ __global__ void __launch_bounds__(kUpdateThreads, 2)
   static_assert(!kStaged || kInterleaved, "staging moves channel-first interleaved state");
   constexpr int P = K - 1, R = token_rows<T, A, K, V>();
   using Word = RawFor<T, V>;
-  constexpr int kWarps = kUpdateThreads / 32;
-  __shared__ Word stage[kStaged ? kWarps : 1][kStaged ? R : 1][kStaged ? 32 * P : 1];
+  constexpr int kWarps = kUpdateThreads / kLanes;
+  __shared__ Word stage[kStaged ? kWarps : 1][kStaged ? R : 1][kStaged ? kLanes * P : 1];
   const uint32_t vector = blockIdx.x * blockDim.x + threadIdx.x;
   const uint32_t tile = blockIdx.y * blockDim.y + threadIdx.y;
   if (vector >= g.vectors || tile >= g.tiles) return;
   // blockDim.x is a multiple of 32: a warp is one tile's, whole or (past the vectors) absent.
-  const int lane = threadIdx.x % 32, warp = (threadIdx.y * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % kLanes, warp = (threadIdx.y * blockDim.x + threadIdx.x) / kLanes;
   // History element (channel c, step j) in a row's P loads.
   constexpr auto at = [](int c, int j) { return kInterleaved ? c * P + j : j * V + c; };
   const Update<T, A, K> op{p};
@@ -161,7 +161,7 @@ __global__ void __launch_bounds__(kUpdateThreads, 2)
     token[r] = *reinterpret_cast<const Word*>(x + x0 + r * p.x_strides.batch);
     if constexpr (kStaged) {
       const Word* warp_words = reinterpret_cast<const Word*>(src) - lane * P;
-      for (int m = 0; m < P; ++m) stage[warp][r][lane + 32 * m] = warp_words[lane + 32 * m];
+      for (int m = 0; m < P; ++m) stage[warp][r][lane + kLanes * m] = warp_words[lane + kLanes * m];
       __syncwarp();
       for (int j = 0; j < P; ++j) history[r][j] = stage[warp][r][lane * P + j];
     } else if (kInterleaved || p.cache_seqlens == nullptr) {
@@ -222,8 +222,8 @@ __global__ void __launch_bounds__(kUpdateThreads, 2)
           __syncwarp();
           Word* warp_words = reinterpret_cast<Word*>(dst) - lane * P;
           for (int m = 0; m < P; ++m) {
-            store_streaming(reinterpret_cast<T*>(warp_words + lane + 32 * m),
-                            from_raw<T, V>(stage[warp][r][lane + 32 * m]));
+            store_streaming(reinterpret_cast<T*>(warp_words + lane + kLanes * m),
+                            from_raw<T, V>(stage[warp][r][lane + kLanes * m]));
           }
         }
       } else if (p.cache_seqlens != nullptr) {
@@ -252,8 +252,8 @@ void launch_token(cudaStream_t stream, const UpdateParams& p) {
                     static_cast<uint32_t>(group_rows),
                     static_cast<int32_t>(p.state_strides.channel),
                     static_cast<int32_t>(kInterleaved ? V : p.state_strides.time)};
-  const uint32_t across =
-      static_cast<uint32_t>(std::min<int64_t>(kUpdateThreads, (vectors + 31) / 32 * 32));
+  const uint32_t across = static_cast<uint32_t>(
+      std::min<int64_t>(kUpdateThreads, (vectors + kLanes - 1) / kLanes * kLanes));
   const dim3 block(across, kUpdateThreads / across);
   const dim3 grid((g.vectors + block.x - 1) / block.x, (g.tiles + block.y - 1) / block.y,
                   static_cast<uint32_t>(p.groups));
@@ -280,7 +280,7 @@ ffi::Error launch_update(cudaStream_t stream, const UpdateParams& p) {
       // multiple of 32 (and so the block's x extent), every warp is whole or past the vectors.
       if (vectors && p.channel_last) {
         launch_token<T, A, kWidth, V, false, false>(stream, p);
-      } else if (vectors && p.cache_seqlens == nullptr && (p.channels / V) % 32 == 0) {
+      } else if (vectors && p.cache_seqlens == nullptr && (p.channels / V) % kLanes == 0) {
         launch_token<T, A, kWidth, V, true, true>(stream, p);
       } else if (vectors && p.cache_seqlens == nullptr) {
         launch_token<T, A, kWidth, V, true, false>(stream, p);

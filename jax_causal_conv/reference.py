@@ -14,6 +14,17 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from ._validation import check_conv_args, check_update_args, check_varlen_args
 
 
+# The largest relative error ||out - ref|| / ||ref|| against this reference (run in float64) that
+# the kernels may show, for y and every gradient, by input dtype (DESIGN.md section 5); float64
+# inputs compute in float64 throughout.
+TOLERANCE = {
+    jnp.dtype(jnp.float64): 1e-12,
+    jnp.dtype(jnp.float32): 1e-5,
+    jnp.dtype(jnp.float16): 2e-3,
+    jnp.dtype(jnp.bfloat16): 1e-2,
+}
+
+
 def accumulation_dtype(dtype) -> jnp.dtype:
     """float64 for float64 inputs, float32 for everything else."""
     return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)

@@ -18,13 +18,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-# ||out - ref|| / ||ref|| bounds from DESIGN.md section 5 (float64 checks the kernels' exactness).
-TOLERANCE = {
-    jnp.dtype(jnp.float64): 1e-12,
-    jnp.dtype(jnp.float32): 1e-5,
-    jnp.dtype(jnp.float16): 2e-3,
-    jnp.dtype(jnp.bfloat16): 1e-2,
-}
+from jax_causal_conv.reference import TOLERANCE  # noqa: E402
+
 DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16, jnp.float64]
 
 
