@@ -10,7 +10,13 @@ compare with ncu's instructions executed per element). The whole kernel's count 
 
     python3 scripts/sass_census.py --kernel 'backward_channel_first_kernel<__nv_bfloat16, 4, false'
 
-The CUDA toolkit here (nvcc) has no cuobjdump; pip has it (the wheel needs no GPU):
+--object reads an object file or cubin already built (by nvcc -c, or the package's build)
+instead of compiling: one compile then serves every kernel's census.
+
+    python3 scripts/sass_census.py --object /tmp/kernels.o --kernel 'update_token_kernel'
+
+The CUDA toolkit here (nvcc) has no cuobjdump; pip has it (the wheel needs no GPU; cuobjdump
+also needs nvdisasm on its PATH, from the nvidia-cuda-nvdisasm wheel):
 
     python3 -m pip install --target /tmp/cuda-tools nvidia-cuda-cuobjdump
     python3 scripts/sass_census.py --cuobjdump /tmp/cuda-tools/nvidia/cu13/bin/cuobjdump ...
@@ -107,22 +113,13 @@ def print_census(title: str, counts: collections.Counter, per: float) -> None:
         print(f"    {kind:36s} {n:5d} {n / per:7.2f}")
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--kernel", required=True,
-                        help="a regular expression searched in the demangled kernel names")
-    parser.add_argument("--source", default=os.path.join(ROOT, "cuda", "cuda_kernels.cu"))
-    parser.add_argument("--arch", default="sm_90")
-    parser.add_argument("--per", type=float, default=8.0,
-                        help="elements a lane handles per loop iteration (8: bf16 channel-first)")
-    parser.add_argument("--min-loop", type=int, default=40,
-                        help="loops with fewer instructions are not printed")
-    parser.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump")
-    parser.add_argument("--nvcc", default=shutil.which("nvcc") or "nvcc")
-    args = parser.parse_args(argv)
-    if shutil.which(args.cuobjdump) is None and not os.path.exists(args.cuobjdump):
-        parser.error(f"no cuobjdump at {args.cuobjdump!r}: see this script's docstring for the "
-                     "pip wheel that has it")
+def disassemble(cuobjdump: str, path: str) -> str:
+    return subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def compile_and_disassemble(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    """The SASS of --source compiled for --arch, or None (nvcc's errors printed) if it fails."""
     try:
         import jaxlib  # noqa: F401  (the XLA FFI headers ship with jaxlib)
         ffi_include = os.path.join(os.path.dirname(jaxlib.__file__), "include")
@@ -136,9 +133,36 @@ def main(argv=None) -> int:
                                capture_output=True, text=True)
         if built.returncode != 0:  # its warnings (the XLA FFI headers have some) only then
             print(built.stderr, file=sys.stderr)
-            return built.returncode
-        sass = subprocess.run([args.cuobjdump, "-sass", cubin], capture_output=True, text=True,
-                              check=True).stdout
+            return None
+        return disassemble(args.cuobjdump, cubin)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--kernel", required=True,
+                        help="a regular expression searched in the demangled kernel names")
+    parser.add_argument("--source", default=os.path.join(ROOT, "cuda", "cuda_kernels.cu"))
+    parser.add_argument("--object", default=None,
+                        help="an object file or cubin to disassemble instead of compiling --source")
+    parser.add_argument("--arch", default="sm_90")
+    parser.add_argument("--per", type=float, default=8.0,
+                        help="elements a lane handles per loop iteration (8: bf16 channel-first)")
+    parser.add_argument("--min-loop", type=int, default=40,
+                        help="loops with fewer instructions are not printed")
+    parser.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump")
+    parser.add_argument("--nvcc", default=shutil.which("nvcc") or "nvcc")
+    args = parser.parse_args(argv)
+    if shutil.which(args.cuobjdump) is None and not os.path.exists(args.cuobjdump):
+        parser.error(f"no cuobjdump at {args.cuobjdump!r}: see this script's docstring for the "
+                     "pip wheel that has it")
+    if args.object is not None:
+        if not os.path.exists(args.object):
+            parser.error(f"--object {args.object!r} does not exist")
+        sass = disassemble(args.cuobjdump, args.object)
+    else:
+        sass = compile_and_disassemble(args, parser)
+        if sass is None:
+            return 1
     funcs = functions(sass)
     names = demangle(list(funcs))
     pattern = re.compile(args.kernel)
