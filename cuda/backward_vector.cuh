@@ -493,7 +493,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   constexpr int P = K - 1;
   const Conv<T, float, K> conv{p};
   const ShortRowLane<V> at(p, group);
-  ShortRowCursor cursor = at.cursor(group, p.channels);
+  ShortRowCursor cursor = at.cursor(p.channels);
   const int g = at.g;
   const int64_t t0 = at.t0;
   const T* x = static_cast<const T*>(p.x) + t0;  // + row * L: the lane's pack of a row
@@ -521,13 +521,12 @@ __global__ void __launch_bounds__(kThreads, 2)
     fetch(cursor.row + kShortBackwardAhead * cursor.stride, x_ahead[kShortBackwardAhead - 1],
           dy_ahead[kShortBackwardAhead - 1]);
     float w[K][1], bias[1];
-    short_row_window(conv, at, group, b, d, x, xs, w, bias);
+    short_row_window(conv, at, b, d, x, xs, w, bias);
     // With seq_idx, whether some row of the item has more than one id or padding: its deltas and
     // dx take seq_idx's masks, segments[j] the entry of time t0 - P + j (j < P + V + P).
     int32_t segments[P + V + P];
-    const bool masked =
-        p.seq_idx != nullptr && short_row_segments<V, P>(p.seq_idx + b * p.length, at, group, live,
-                                                         segments);
+    const bool masked = p.seq_idx != nullptr &&
+                        short_row_segments<V, P>(p.seq_idx + b * p.length, at, live, segments);
     if (masked) {
       for (int m = 0; m < P; ++m) {  // the times after the lane's: -1 past the row
         const int32_t later = __shfl_down_sync(kFullWarp, segments[P + m % V], 1 + m / V, group);

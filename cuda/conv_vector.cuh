@@ -622,17 +622,19 @@ __device__ __forceinline__ void load_row_weights(const Conv<T, float, K>& conv, 
   load_param_rows<T>(p, [&](int) { return row; }, w, bias);
 }
 
-// Where a short-row lane stands: lane g of its group holds times [t0, t0 + V) of each row it
-// takes; its warp takes warp items first_item, first_item + items_step, ... of rows_per_item rows.
+// Where a short-row lane stands: lane g of its group of `group` lanes (short_row_group) holds
+// times [t0, t0 + V) of each row it takes; its warp takes warp items first_item,
+// first_item + items_step, ... of rows_per_item rows.
 template <int V>
 struct ShortRowLane {
-  int lane, g, rows_per_item;
+  int group, lane, g, rows_per_item;
   int64_t rows, t0;
   bool in_row;  // whether the lane's times are in the rows (L may be less than group packs)
   int64_t first_item, items_step, batch_per_group;
 
   __device__ __forceinline__ ShortRowLane(const ConvParams& p, int group)
-      : lane(threadIdx.x % kLanes),
+      : group(group),
+        lane(threadIdx.x % kLanes),
         g(lane % group),
         rows_per_item(kLanes / group),
         rows(p.batch * p.channels),
@@ -643,7 +645,7 @@ struct ShortRowLane {
         batch_per_group(p.batch / p.groups) {}
 
   // The lane's first row and its step from one item to the next.
-  __device__ __forceinline__ ShortRowCursor cursor(int group, int64_t channels) const {
+  __device__ __forceinline__ ShortRowCursor cursor(int64_t channels) const {
     return ShortRowCursor(first_item * rows_per_item + lane / group, items_step * rows_per_item,
                           channels);
   }
@@ -654,8 +656,8 @@ struct ShortRowLane {
 // first lanes, the initial state (zeros without one). x: the lane's pack of row 0.
 template <typename T, int K, int V>
 __device__ __forceinline__ void short_row_window(const Conv<T, float, K>& conv,
-                                                 const ShortRowLane<V>& at, int group, int64_t b,
-                                                 int64_t d, const T* x, float (&xs)[K - 1 + V],
+                                                 const ShortRowLane<V>& at, int64_t b, int64_t d,
+                                                 const T* x, float (&xs)[K - 1 + V],
                                                  float (&w)[K][1], float (&bias)[1]) {
   constexpr int P = K - 1;
   constexpr int kCarryLanes = (P + V - 1) / V;  // lanes of a group whose halo reaches before t = 0
@@ -667,7 +669,7 @@ __device__ __forceinline__ void short_row_window(const Conv<T, float, K>& conv,
                            : static_cast<const T*>(p.initial_state) + (b * p.channels + d) * P;
   before.load(x, state_row, 0);
   halo_before<P, V>(reinterpret_cast<const float(&)[V]>(xs[P]), before.x, at.g,
-                    reinterpret_cast<float(&)[P]>(xs[0]), group);
+                    reinterpret_cast<float(&)[P]>(xs[0]), at.group);
 }
 
 // With seq_idx (row: the row's entries): the lane's entries into segments[P .. P + V), and whether
@@ -676,19 +678,19 @@ __device__ __forceinline__ void short_row_window(const Conv<T, float, K>& conv,
 // lane's (the row's first entry before t = 0). Every lane of the warp must call it.
 template <int V, int P, int N>
 __device__ __forceinline__ bool short_row_segments(const int32_t* row, const ShortRowLane<V>& at,
-                                                   int group, bool live, int32_t (&segments)[N]) {
+                                                   bool live, int32_t (&segments)[N]) {
   static_assert(N >= P + V, "segments holds the P times before and the lane's V");
   int32_t(&own)[V] = reinterpret_cast<int32_t(&)[V]>(segments[P]);
   load_segments(row + at.t0, live, own);
   const bool one_id = pack_is_uniform(own);
-  const int32_t earlier = __shfl_up_sync(kFullWarp, own[V - 1], 1, group);
+  const int32_t earlier = __shfl_up_sync(kFullWarp, own[V - 1], 1, at.group);
   const bool uniform = !live || (one_id && (at.g == 0 || own[0] == earlier));
   const bool masked = !__all_sync(kFullWarp, uniform);
   if (masked) {
     int32_t first[P];  // seg(u) for u < 0: the row's first entry
-    const int32_t row_first = __shfl_sync(kFullWarp, own[0], 0, group);
+    const int32_t row_first = __shfl_sync(kFullWarp, own[0], 0, at.group);
     for (int j = 0; j < P; ++j) first[j] = row_first;
-    halo_before<P, V>(own, first, at.g, reinterpret_cast<int32_t(&)[P]>(segments[0]), group);
+    halo_before<P, V>(own, first, at.g, reinterpret_cast<int32_t(&)[P]>(segments[0]), at.group);
   }
   return masked;
 }

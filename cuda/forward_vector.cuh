@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(kThreads) forward_short_rows_kernel(ConvParams
   constexpr int P = K - 1;
   const Conv<T, float, K> conv{p};
   const ShortRowLane<V> at(p, group);
-  ShortRowCursor cursor = at.cursor(group, p.channels);
+  ShortRowCursor cursor = at.cursor(p.channels);
   const T* x = static_cast<const T*>(p.x) + at.t0;  // + row * L: the lane's pack of a row
   const auto fetch = [&](int64_t row) {
     return load_readonly_or_zero<T, V>(x + row * p.length, at.in_row && row < at.rows);
@@ -240,12 +240,11 @@ __global__ void __launch_bounds__(kThreads) forward_short_rows_kernel(ConvParams
     for (int a = 0; a + 1 < kShortForwardAhead; ++a) ahead[a] = ahead[a + 1];
     ahead[kShortForwardAhead - 1] = fetch(cursor.row + kShortForwardAhead * cursor.stride);
     float w[K][1], bias[1];
-    short_row_window(conv, at, group, b, d, x, xs, w, bias);
+    short_row_window(conv, at, b, d, x, xs, w, bias);
     float out[V];
     int32_t segments[P + V];  // with seq_idx: the entry of xs[j]
-    const bool masked =
-        p.seq_idx != nullptr && short_row_segments<V, P>(p.seq_idx + b * p.length, at, group, live,
-                                                         segments);
+    const bool masked = p.seq_idx != nullptr &&
+                        short_row_segments<V, P>(p.seq_idx + b * p.length, at, live, segments);
     if (masked) {
       channel_first_outputs<true>(w, bias[0], xs, segments, p.silu, out);
     } else {
