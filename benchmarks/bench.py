@@ -65,7 +65,6 @@ IMPLS = ("ours", "reference", "conv_general_dilated", "copy")
 OPS = ("fwd", "bwd", "fwd+bwd")
 GROUPS = ("main", "dtypes", "widths", "shapes", "features", "decode")
 DTYPE_NAMES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
-# ||out - ref|| / ||ref|| bounds of DESIGN.md section 5, here against a float32 reference.
 COPY_MIN_BYTES = 64 << 20  # the copy-bandwidth check applies to arrays at least this large
 
 # ------------------------------------------------------------------------------------------ cases

@@ -50,8 +50,6 @@ CASES = [
     (8, 256, 64, 8, "BDL", jnp.float16, 4, False),
 ]
 
-# Relative error allowed per dtype (DESIGN.md section 5), before the factor of 10 below.
-
 UPDATE_CASES = [
     # batch, channels, width, layout, dtype, ring mode (cache_seqlens), state pool rows (0: none)
     (7, 512, 4, "BDL", jnp.bfloat16, False, 0),  # staged: channel vectors a multiple of 32
