@@ -18,6 +18,10 @@
 #   STEPS="build trace" TRACE_SHAPES="8,2048,4096 8,2048,256" scripts/gpu_check.sh  # each op's
 #       kernels and their device times, both layouts, and the B=256 D=8192 decode step's
 #       (benchmarks/profile_kernels.py --trace)
+#   STEPS="variants" VARIANTS=". .variants/a .variants/b" BENCH_ARGS="--cases main,decode --impls ours,copy"
+#       A/B of source trees on one machine: each tree is built into its own directory (in
+#       parallel), then benchmarks/bench.py of this checkout times each build in turn, for
+#       VARIANT_ROUNDS rounds (default 2), so drift over the run shows as a round-to-round change
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 STEPS=${STEPS:-"build tests examples"}
@@ -29,6 +33,8 @@ DETERMINISM_ARGS=${DETERMINISM_ARGS:-}
 BENCH_ARGS=${BENCH_ARGS:-}
 TRACE_SHAPES=${TRACE_SHAPES:-"8,2048,4096 8,2048,256"}
 SANITIZE=${SANITIZE:-"memcheck unvalidated racecheck"}
+VARIANTS=${VARIANTS:-.}
+VARIANT_ROUNDS=${VARIANT_ROUNDS:-2}
 export PYTHONUNBUFFERED=1
 summary=()
 
@@ -178,6 +184,34 @@ if step bench; then
   python3 benchmarks/bench.py --out "$OUT" $BENCH_ARGS >"$OUT/bench.log" 2>&1
   summary+=("bench: exit $? (table in bench.md)")
   tail -40 "$OUT/bench.log"
+fi
+
+if step variants; then
+  variant_name() { [[ $1 == . ]] && echo main || basename "$1"; }
+  t0=$SECONDS
+  for tree in $VARIANTS; do
+    name=$(variant_name "$tree")
+    (python3 -m pip install --no-build-isolation --no-deps --target "/tmp/variant_$name" "$tree" \
+      >"/tmp/variant_build_$name.log" 2>&1 || tail -30 "/tmp/variant_build_$name.log") &
+  done
+  wait
+  summary+=("variants built in $((SECONDS - t0)) s")
+  for ((round = 1; round <= VARIANT_ROUNDS; round++)); do
+    for tree in $VARIANTS; do
+      name=$(variant_name "$tree")
+      log="$OUT/bench_${name}.log"
+      [[ -d /tmp/variant_$name/jax_causal_conv ]] || { summary+=("$name: build FAILED"); continue; }
+      echo "==== round $round" >>"$log"
+      # shellcheck disable=SC2086
+      PYTHONPATH="/tmp/variant_$name" python3 -P benchmarks/bench.py --out "/tmp/variant_out_$name" \
+        $BENCH_ARGS >>"$log" 2>&1
+      # per row of bench.md: case's first word (decode) and layout, implementation, op, queue / loop us
+      summary+=("round $round $name: $(awk -F' *[|] *' '$3 == "ours" || $3 == "copy" {
+        n = split($2, c, " "); printf "%s%s %s %s %s/%s; ", (c[1] == "decode" ? "dec " : ""), c[n],
+        $3, $4, $5, $6 }' "/tmp/variant_out_$name/bench.md")")
+      grep -E 'FAILED' "$log" | sed "s/^/$name: /" | head -5
+    done
+  done
 fi
 
 echo "==== summary ===="
