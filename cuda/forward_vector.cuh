@@ -107,10 +107,11 @@ __global__ void __launch_bounds__(kForwardThreads, forward_channel_last_min_bloc
 
 // y of a channel-first lane's pack from xs = x_{t0-P} .. x_{t0+V-1}. With kSelect, seq_idx's
 // masks, segments[j] being the entry of xs[j]; without, every tap.
-template <bool kSelect, int K, int V>
+// silu: a bool, or a std::bool_constant where the kernel chose the activation once.
+template <bool kSelect, int K, int V, typename Silu>
 __device__ __forceinline__ void channel_first_outputs(const float (&w)[K][1], float bias,
                                                       const float (&xs)[K - 1 + V],
-                                                      const int32_t* segments, bool silu,
+                                                      const int32_t* segments, Silu silu,
                                                       float (&out)[V]) {
   constexpr int P = K - 1;
   for (int v = 0; v < V; ++v) {
@@ -146,7 +147,8 @@ constexpr int channel_first_forward_min_blocks() {
     if constexpr (std::is_same_v<T, __half>) return K <= 3 ? 6 : (K <= 6 ? 5 : 0);
     return K <= 5 ? 6 : (K <= 6 ? 5 : 0);
   }
-  return sizeof(T) == 2 && K <= 4 ? 9 : 0;
+  if constexpr (sizeof(T) == 2) return K == 2 ? 10 : (K <= 6 || (K == 7 && !std::is_same_v<T, __half>) ? 9 : 8);
+  return K == 2 || K == 5 || K == 6 ? 9 : 8;
 }
 
 // (B, D, L), L a multiple of the pack V: a warp streams chunk_len times of one (b, d) row, lane l
@@ -166,49 +168,80 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
   constexpr int V = kPack<T>;
   constexpr int P = K - 1;
   constexpr int64_t kSegment = kLanes * V;
-  const Conv<T, float, K> conv{p};
   const int lane = threadIdx.x % kLanes;
+  const T* x = static_cast<const T*>(p.x);
+  T* y = static_cast<T*>(p.y);
   // The item's channel `item` (times [c0, c1)); bit j of masks.before (then of uniform): whether
-  // the item's segment j is uniform (none past the first kUniformSegments).
-  const auto run = [&](const ChannelFirstItem& item, UniformSegments masks) {
-    const T* x_row = static_cast<const T*>(p.x) + item.row * p.length;
-    T* y_row = static_cast<T*>(p.y) + item.row * p.length;
+  // the item's segment j is uniform (none past the first kUniformSegments). silu: p.silu, or
+  // without seq_idx std::true_type or std::false_type.
+  const auto run = [&](const ChannelFirstItem& item, UniformSegments masks, auto silu) {
+    // One element offset serves x and y: the lane's pack at time 0 of the row (their base pointers
+    // stay in the constant bank); the lane's pack of segment s is the item's while s < lane_end.
+    const int64_t lane_at = item.row * p.length + lane * V;
+    const int64_t lane_end = item.c1 - lane * V;
     const int32_t* segment_row = kMasked ? p.seq_idx + item.b * p.length : nullptr;
     float w[K][1], bias[1];
     load_param_rows<T>(p, [&](int) { return item.param_row; }, w, bias);
     ChannelFirstCarry<K> carry;
-    carry.load(conv, item.b, item.c0, item.d);
-    // The lane's packs of the next kAhead segments, loaded before they are needed.
+    carry.load(x + item.row * p.length,
+               p.initial_state == nullptr
+                   ? nullptr
+                   : static_cast<const T*>(p.initial_state) + item.row * P,
+               item.c0);
+    // The lane's packs of the next kForwardAhead segments, loaded before they are needed: segment
+    // c0 + j kSegment's in ahead[j % kForwardAhead]. The loop takes kForwardAhead segments a turn,
+    // so that the slots stay in place (a queue shifted per segment cost a move per word).
     RawFor<T, V> ahead[kForwardAhead];
     for (int a = 0; a < kForwardAhead; ++a) {
-      const int64_t t = item.c0 + a * kSegment + lane * V;
-      ahead[a] = load_readonly_or_zero<T, V>(x_row + t, t < item.c1);
+      const int64_t s = item.c0 + a * kSegment;
+      ahead[a] = load_readonly_or_zero<T, V>(x + lane_at + s, s < lane_end);
     }
     uint32_t uniform = masks.before;  // bit 0: the next segment's
-    for (int64_t s = item.c0; s < item.c1; s += kSegment) {
+    // Segment s from its slot, which then receives the pack of segment s + kForwardAhead kSegment
+    // where that is the item's (else it keeps a pack that only lanes whose outputs are not stored
+    // read). whole (std::true_type): every lane's pack of s is the item's.
+    const auto segment = [&](int64_t s, RawFor<T, V>& slot, auto whole) {
+      constexpr bool kWhole = decltype(whole)::value;
       const bool masked = kMasked && !(uniform & 1u);
       uniform >>= 1;
-      const int64_t t0 = s + lane * V;
-      const bool live = t0 < item.c1;
       float own[V];
-      widen(from_raw<T, V>(ahead[0]), own);
-      for (int a = 0; a + 1 < kForwardAhead; ++a) ahead[a] = ahead[a + 1];
-      const int64_t t_ahead = t0 + kForwardAhead * kSegment;
-      ahead[kForwardAhead - 1] = load_readonly_or_zero<T, V>(x_row + t_ahead, t_ahead < item.c1);
-      float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}
+      widen(from_raw<T, V>(slot), own);
+      const int64_t s_ahead = s + kForwardAhead * kSegment;
+      if (s_ahead < lane_end) {
+        slot = __ldg(reinterpret_cast<const RawFor<T, V>*>(x + lane_at + s_ahead));
+      }
+      float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}, t0 = s + lane V
       carry.advance(own, lane, xs);
       float out[V];
       if (!masked) {
-        channel_first_outputs<false>(w, bias[0], xs, nullptr, p.silu, out);
+        channel_first_outputs<false>(w, bias[0], xs, nullptr, silu, out);
       } else {
         int32_t segments[P + V];
-        load_segment_window<V, P, 0>(segment_row, t0, p.length, segments);
-        channel_first_outputs<true>(w, bias[0], xs, segments, p.silu, out);
+        load_segment_window<V, P, 0>(segment_row, s + lane * V, p.length, segments);
+        channel_first_outputs<true>(w, bias[0], xs, segments, silu, out);
       }
-      if (live) store_vec(y_row + t0, narrow<T, V>(out));
+      if (kWhole || s < lane_end) store_vec(y + lane_at + s, narrow<T, V>(out));
+    };
+    int64_t s = item.c0;
+    for (; s + kForwardAhead * kSegment <= item.c1; s += kForwardAhead * kSegment) {
+      for (int a = 0; a < kForwardAhead; ++a) {
+        segment(s + a * kSegment, ahead[a], std::true_type{});
+      }
+    }
+    for (int a = 0; a < kForwardAhead; ++a) {
+      if (s + a * kSegment < item.c1) segment(s + a * kSegment, ahead[a], std::false_type{});
     }
   };
-  for_each_channel_first_item<V, P, kMasked>(p, split, 0, run);
+  const auto run_items = [&](auto silu) {
+    for_each_channel_first_item<V, P, kMasked>(
+        p, split, 0,
+        [&](const ChannelFirstItem& item, UniformSegments masks) { run(item, masks, silu); });
+  };
+  if constexpr (kMasked || K >= 5) {
+    run_items(p.silu);
+  } else {
+    with_bool_constant(p.silu, run_items);
+  }
 }
 
 // Warp items whose rows a short-row lane has in flight: 4 x 16 bytes, 2 KB per warp; 24 warps per
