@@ -143,12 +143,25 @@ constexpr int kForwardAhead = 3;
 template <typename T, int K, bool kMasked>
 constexpr int channel_first_forward_min_blocks() {
   if constexpr (kMasked) {
-    if constexpr (sizeof(T) == 4) return K <= 6 ? 6 : 5;
+    if constexpr (sizeof(T) == 4) return K <= 7 ? 6 : 5;
     if constexpr (std::is_same_v<T, __half>) return K <= 3 ? 6 : (K <= 6 ? 5 : 0);
     return K <= 5 ? 6 : (K <= 6 ? 5 : 0);
   }
-  if constexpr (sizeof(T) == 2) return K == 2 ? 10 : (K <= 6 || (K == 7 && !std::is_same_v<T, __half>) ? 9 : 8);
-  return K == 2 || K == 5 || K == 6 ? 9 : 8;
+  if constexpr (sizeof(T) == 2) {
+    return K == 2 ? 10 : (K <= 6 ? 9 : 0);
+  }
+  return K == 5 ? 9 : 0;
+}
+
+// Segments a turn of the channel-first forward's loop takes: kForwardAhead, so that the slots of
+// the packs in flight stay in place (a queue shifted each segment cost a move per word, about 1.75
+// instructions per element at bf16 K = 4), where the unrolled turn fits the occupancy of
+// channel_first_forward_min_blocks without spilling; else 1.
+template <typename T, int K, bool kMasked>
+constexpr int channel_first_forward_turn() {
+  if constexpr (kMasked) return 1;
+  if constexpr (sizeof(T) == 2) return K <= 5 || K == 7 ? kForwardAhead : 1;
+  return K <= 4 ? kForwardAhead : 1;
 }
 
 // (B, D, L), L a multiple of the pack V: a warp streams chunk_len times of one (b, d) row, lane l
@@ -168,6 +181,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
   constexpr int V = kPack<T>;
   constexpr int P = K - 1;
   constexpr int64_t kSegment = kLanes * V;
+  constexpr int kTurn = channel_first_forward_turn<T, K, kMasked>();
   const int lane = threadIdx.x % kLanes;
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
@@ -188,9 +202,9 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
                    ? nullptr
                    : static_cast<const T*>(p.initial_state) + item.row * P,
                item.c0);
-    // The lane's packs of the next kForwardAhead segments, loaded before they are needed: segment
-    // c0 + j kSegment's in ahead[j % kForwardAhead]. The loop takes kForwardAhead segments a turn,
-    // so that the slots stay in place (a queue shifted per segment cost a move per word).
+    // The lane's packs of the next kForwardAhead segments, loaded before they are needed, the next
+    // segment's in ahead[0]; a turn of the loop takes kTurn segments (ahead[a]: segment a's), then
+    // moves the slots by kTurn (none with kTurn = kForwardAhead).
     RawFor<T, V> ahead[kForwardAhead];
     for (int a = 0; a < kForwardAhead; ++a) {
       const int64_t s = item.c0 + a * kSegment;
@@ -223,12 +237,15 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
       if (kWhole || s < lane_end) store_vec(y + lane_at + s, narrow<T, V>(out));
     };
     int64_t s = item.c0;
-    for (; s + kForwardAhead * kSegment <= item.c1; s += kForwardAhead * kSegment) {
-      for (int a = 0; a < kForwardAhead; ++a) {
-        segment(s + a * kSegment, ahead[a], std::true_type{});
+    for (; s + kTurn * kSegment <= item.c1; s += kTurn * kSegment) {
+      for (int a = 0; a < kTurn; ++a) segment(s + a * kSegment, ahead[a], std::true_type{});
+      if constexpr (kTurn < kForwardAhead) {
+        RawFor<T, V> moved[kForwardAhead];
+        for (int a = 0; a < kForwardAhead; ++a) moved[a] = ahead[(a + kTurn) % kForwardAhead];
+        for (int a = 0; a < kForwardAhead; ++a) ahead[a] = moved[a];
       }
     }
-    for (int a = 0; a < kForwardAhead; ++a) {
+    for (int a = 0; a < kTurn; ++a) {
       if (s + a * kSegment < item.c1) segment(s + a * kSegment, ahead[a], std::false_type{});
     }
   };
@@ -237,7 +254,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
         p, split, 0,
         [&](const ChannelFirstItem& item, UniformSegments masks) { run(item, masks, silu); });
   };
-  if constexpr (kMasked || K >= 5) {
+  if constexpr (kMasked) {
     run_items(p.silu);
   } else {
     with_bool_constant(p.silu, run_items);
