@@ -131,15 +131,19 @@ constexpr int kForwardAhead = 3;
 // where the loop over the uniform segments with a second pass for the masked ones took 104.2 at 8
 // blocks; 9 blocks lost 6 us. So the masked kernels get 6 blocks where ptxas spills nothing there
 // and otherwise the most blocks at which it spills nothing: 5 for f16 K = 4-6, bf16 K = 6 and
-// f32 K >= 7 (left free, f32 K = 7 spilled 12 bytes), no bound for 16-bit K >= 7 (4 blocks; at 5
-// they spill 4-36 bytes). 7 blocks would spill nothing for bf16 and f32 up to K = 3 (and f32
+// f32 K = 8, no bound for 16-bit K >= 7 (4 blocks; at 5 they spill 4-36 bytes). f32 K = 7, which
+// had 6 blocks at a bound of 5 (80 registers), took 82 (5 blocks) with the rotating halo: it asks
+// for 6 (79, no spills). 7 blocks would spill nothing for bf16 and f32 up to K = 3 (and f32
 // K = 4) but were not measured.
 //
-// Unmasked 16-bit kernels up to K = 4 ask for 9 blocks (56 registers, no spills): on the main
-// workload that took 81.5 us against 85.3 with 4 blocks of 256 (63 registers). The other unmasked
-// kernels are left free (56-72 registers: 7-9 blocks); with 9 blocks float32 K = 4 spilled 36
-// bytes and every K >= 6 spilled 12-64. Any bound changes the code ptxas picks, so none is set
-// where it would not raise the occupancy.
+// Unmasked 16-bit kernels up to K = 4 asked for 9 blocks (56 registers, no spills): on the main
+// workload that took 81.5 us against 85.3 with 4 blocks of 256 (63 registers). With the loop's
+// turns (channel_first_forward_turn) and the activation chosen once, the bounds keep the blocks
+// the kernels had before (K = 2: 10, 16-bit K <= 6 and f32 K = 5: 9; left free, K = 5-6 took
+// 63-64 registers, and K = 2 at 9 blocks 56), except bf16 K = 7 (56 registers before; now 64 left
+// free, 8 blocks, as every form of the loop spilled 8-48 bytes at 9); the others take 48-64
+// registers left free. Any bound changes the code ptxas picks, so none is set where it would not
+// keep the occupancy.
 template <typename T, int K, bool kMasked>
 constexpr int channel_first_forward_min_blocks() {
   if constexpr (kMasked) {
@@ -155,8 +159,10 @@ constexpr int channel_first_forward_min_blocks() {
 
 // Segments a turn of the channel-first forward's loop takes: kForwardAhead, so that the slots of
 // the packs in flight stay in place (a queue shifted each segment cost a move per word, about 1.75
-// instructions per element at bf16 K = 4), where the unrolled turn fits the occupancy of
-// channel_first_forward_min_blocks without spilling; else 1.
+// instructions per element at bf16 K = 4), where the unrolled turn fits the blocks of
+// channel_first_forward_min_blocks without spilling; else 1. The masked kernels unrolled spilled
+// 16-32 bytes at 16-bit K = 4-6 (and did not unroll on their own, the slots going to local
+// memory).
 template <typename T, int K, bool kMasked>
 constexpr int channel_first_forward_turn() {
   if constexpr (kMasked) return 1;
@@ -238,6 +244,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
     };
     int64_t s = item.c0;
     for (; s + kTurn * kSegment <= item.c1; s += kTurn * kSegment) {
+#pragma unroll
       for (int a = 0; a < kTurn; ++a) segment(s + a * kSegment, ahead[a], std::true_type{});
       if constexpr (kTurn < kForwardAhead) {
         RawFor<T, V> moved[kForwardAhead];
@@ -245,6 +252,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
         for (int a = 0; a < kForwardAhead; ++a) ahead[a] = moved[a];
       }
     }
+#pragma unroll
     for (int a = 0; a < kTurn; ++a) {
       if (s + a * kSegment < item.c1) segment(s + a * kSegment, ahead[a], std::false_type{});
     }
