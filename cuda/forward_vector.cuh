@@ -160,9 +160,9 @@ constexpr int channel_first_forward_min_blocks() {
 // Segments a turn of the channel-first forward's loop takes: kForwardAhead, so that the slots of
 // the packs in flight stay in place (a queue shifted each segment cost a move per word, about 1.75
 // instructions per element at bf16 K = 4), where the unrolled turn fits the blocks of
-// channel_first_forward_min_blocks without spilling; else 1. The masked kernels unrolled spilled
-// 16-32 bytes at 16-bit K = 4-6 (and did not unroll on their own, the slots going to local
-// memory).
+// channel_first_forward_min_blocks without spilling; else 1: unrolled, 16-bit K = 6 and 8 and f32
+// K >= 5 spilled 8-40 bytes there or took a block fewer, and the masked kernels spilled 16-32
+// bytes at 16-bit K = 4-6 (and did not unroll on their own, the slots going to local memory).
 template <typename T, int K, bool kMasked>
 constexpr int channel_first_forward_turn() {
   if constexpr (kMasked) return 1;
@@ -263,6 +263,8 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
         [&](const ChannelFirstItem& item, UniformSegments masks) { run(item, masks, silu); });
   };
   if constexpr (kMasked) {
+    // Chosen once, the activation saved one instruction of a uniform segment's 146 at bf16 K = 4
+    // and took f16 and f32 K = 4 a block per SM fewer.
     run_items(p.silu);
   } else {
     with_bool_constant(p.silu, run_items);
