@@ -161,7 +161,7 @@ constexpr int channel_first_forward_min_blocks() {
 // the packs in flight stay in place (a queue shifted each segment cost a move per word, about 1.75
 // instructions per element at bf16 K = 4), where the unrolled turn fits the blocks of
 // channel_first_forward_min_blocks without spilling; else 1: unrolled, 16-bit K = 6 and 8 and f32
-// K >= 5 spilled 8-40 bytes there or took a block fewer, and the masked kernels spilled 16-32
+// K >= 5 spilled 12-32 bytes there or took a block fewer, and the masked kernels spilled 16-32
 // bytes at 16-bit K = 4-6 (and did not unroll on their own, the slots going to local memory).
 template <typename T, int K, bool kMasked>
 constexpr int channel_first_forward_turn() {
