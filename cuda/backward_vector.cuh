@@ -210,22 +210,10 @@ __device__ __forceinline__ void channel_first_deltas(const float (&w)[K][1], flo
 // register queue of them cost a move per word per segment: 34 of the loop's 285 instructions).
 constexpr int kBackwardAhead = 2;
 
-// With P <= V the halos cost one shuffle per value: rotate_advance takes the P values before a
-// lane's pack from lane l - 1 (lane 0: from carry, which it then replaces with lane 31's, the P
-// values before the next segment; carry holds them in lane 0 only); rotate_halo_after the P after
-// it from lane l + 1, lane 0 sending the next segment's first values to lane 31. Every lane must
-// call them. halo_before / halo_after (any P) took two shuffles per value and a select.
-template <int P, int V>
-__device__ __forceinline__ void rotate_advance(const float (&own)[V], int lane, float (&carry)[P],
-                                               float (&xs)[P + V]) {
-  static_assert(P <= V, "the P values before a pack are lane l - 1's");
-  for (int j = 0; j < P; ++j) {
-    const float rotated = __shfl_sync(kFullWarp, own[V - P + j], (lane + kLanes - 1) % kLanes);
-    xs[j] = lane == 0 ? carry[j] : rotated;
-    carry[j] = rotated;
-  }
-  for (int v = 0; v < V; ++v) xs[P + v] = own[v];
-}
+// With P <= V the halo after a pack costs one shuffle per value (as ChannelFirstCarry::advance's
+// before it): rotate_halo_after takes the P values after a lane's pack from lane l + 1, lane 0
+// sending the next segment's first values to lane 31. Every lane must call it. halo_after (any P)
+// took two shuffles per value and a select.
 template <int P, int V>
 __device__ __forceinline__ void rotate_halo_after(const float (&own)[V], const float (&next)[V],
                                                   int lane, float (&out)[P]) {
@@ -366,11 +354,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
       fetch(s + kBackwardAhead * kSegment, step + kBackwardAhead);
       ++step;
       float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}
-      if constexpr (kRotate) {
-        rotate_advance<P, V>(own, lane, carry.x, xs);
-      } else {
-        carry.advance(own, lane, xs);
-      }
+      carry.advance(own, lane, xs);
       const bool accumulate = kInterior || t0 < item.c1;
       if (!masked) {
         channel_first_deltas<false>(w, bias[0], xs, dy, nullptr, exists, accumulate, silu,

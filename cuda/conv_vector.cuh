@@ -358,15 +358,8 @@ struct ChannelFirstCarry {
   static constexpr int P = K - 1;
   float x[P];
 
-  // The P inputs before time t of row (b, d): the carry into the segment that starts at t.
-  template <typename T>
-  __device__ __forceinline__ void load(const Conv<T, float, K>& conv, int64_t b, int64_t t,
-                                       int64_t d) {
-    for (int j = 0; j < P; ++j) x[j] = conv.input(b, t - P + j, d);
-  }
-
-  // The same from the row's own pointers (x_row: its L inputs; state_row: its P initial-state
-  // values, or nullptr for zeros).
+  // The P inputs before time t of a row (x_row: its L inputs; state_row: its P initial-state
+  // values, or nullptr for zeros): the carry into the segment that starts at t.
   template <typename T>
   __device__ __forceinline__ void load(const T* x_row, const T* state_row, int64_t t) {
     for (int j = 0; j < P; ++j) {
@@ -378,11 +371,22 @@ struct ChannelFirstCarry {
 
   // For the segment of which own is the lane's pack: xs[j] = x_{t0-P+j}, t0 the lane's first time,
   // and the carry for the next segment. Every lane must call it (it shuffles), for the item's
-  // segments in order.
+  // segments in order. With P <= V the halo costs one shuffle per value: the P values before a
+  // lane's pack are lane l - 1's, lane 0 taking the carry's and replacing them with lane 31's
+  // (x then holds the carry in lane 0 only); halo_before and segment_tail (any P) took two
+  // shuffles per value and a select.
   template <int V>
   __device__ __forceinline__ void advance(const float (&own)[V], int lane, float (&xs)[P + V]) {
-    halo_before<P, V>(own, x, lane, reinterpret_cast<float(&)[P]>(xs[0]));
-    segment_tail<P, V>(own, x);
+    if constexpr (P <= V) {
+      for (int j = 0; j < P; ++j) {
+        const float rotated = __shfl_sync(kFullWarp, own[V - P + j], (lane + kLanes - 1) % kLanes);
+        xs[j] = lane == 0 ? x[j] : rotated;
+        x[j] = rotated;
+      }
+    } else {
+      halo_before<P, V>(own, x, lane, reinterpret_cast<float(&)[P]>(xs[0]));
+      segment_tail<P, V>(own, x);
+    }
     for (int v = 0; v < V; ++v) xs[P + v] = own[v];
   }
 };

@@ -107,10 +107,11 @@ __global__ void __launch_bounds__(kForwardThreads, forward_channel_last_min_bloc
 
 // y of a channel-first lane's pack from xs = x_{t0-P} .. x_{t0+V-1}. With kSelect, seq_idx's
 // masks, segments[j] being the entry of xs[j]; without, every tap.
-template <bool kSelect, int K, int V>
+// silu: a bool, or a std::bool_constant where the kernel chose the activation once.
+template <bool kSelect, int K, int V, typename Silu>
 __device__ __forceinline__ void channel_first_outputs(const float (&w)[K][1], float bias,
                                                       const float (&xs)[K - 1 + V],
-                                                      const int32_t* segments, bool silu,
+                                                      const int32_t* segments, Silu silu,
                                                       float (&out)[V]) {
   constexpr int P = K - 1;
   for (int v = 0; v < V; ++v) {
@@ -130,23 +131,43 @@ constexpr int kForwardAhead = 3;
 // where the loop over the uniform segments with a second pass for the masked ones took 104.2 at 8
 // blocks; 9 blocks lost 6 us. So the masked kernels get 6 blocks where ptxas spills nothing there
 // and otherwise the most blocks at which it spills nothing: 5 for f16 K = 4-6, bf16 K = 6 and
-// f32 K >= 7 (left free, f32 K = 7 spilled 12 bytes), no bound for 16-bit K >= 7 (4 blocks; at 5
-// they spill 4-36 bytes). 7 blocks would spill nothing for bf16 and f32 up to K = 3 (and f32
+// f32 K = 8, no bound for 16-bit K >= 7 (4 blocks; at 5 they spill 4-36 bytes). f32 K = 7, which
+// had 6 blocks at a bound of 5 (80 registers), took 82 (5 blocks) with the rotating halo: it asks
+// for 6 (79, no spills). 7 blocks would spill nothing for bf16 and f32 up to K = 3 (and f32
 // K = 4) but were not measured.
 //
-// Unmasked 16-bit kernels up to K = 4 ask for 9 blocks (56 registers, no spills): on the main
-// workload that took 81.5 us against 85.3 with 4 blocks of 256 (63 registers). The other unmasked
-// kernels are left free (56-72 registers: 7-9 blocks); with 9 blocks float32 K = 4 spilled 36
-// bytes and every K >= 6 spilled 12-64. Any bound changes the code ptxas picks, so none is set
-// where it would not raise the occupancy.
+// Unmasked 16-bit kernels up to K = 4 asked for 9 blocks (56 registers, no spills): on the main
+// workload that took 81.5 us against 85.3 with 4 blocks of 256 (63 registers). With the loop's
+// turns (channel_first_forward_turn) and the activation chosen once, the bounds keep the blocks
+// the kernels had before (K = 2: 10, 16-bit K <= 6 and f32 K = 5: 9; left free, K = 5-6 took
+// 63-64 registers, and K = 2 at 9 blocks 56), except bf16 K = 7 (56 registers before; now 64 left
+// free, 8 blocks, as every form of the loop spilled 8-48 bytes at 9); the others take 48-64
+// registers left free. Any bound changes the code ptxas picks, so none is set where it would not
+// keep the occupancy.
 template <typename T, int K, bool kMasked>
 constexpr int channel_first_forward_min_blocks() {
   if constexpr (kMasked) {
-    if constexpr (sizeof(T) == 4) return K <= 6 ? 6 : 5;
+    if constexpr (sizeof(T) == 4) return K <= 7 ? 6 : 5;
     if constexpr (std::is_same_v<T, __half>) return K <= 3 ? 6 : (K <= 6 ? 5 : 0);
     return K <= 5 ? 6 : (K <= 6 ? 5 : 0);
   }
-  return sizeof(T) == 2 && K <= 4 ? 9 : 0;
+  if constexpr (sizeof(T) == 2) {
+    return K == 2 ? 10 : (K <= 6 ? 9 : 0);
+  }
+  return K == 5 ? 9 : 0;
+}
+
+// Segments a turn of the channel-first forward's loop takes: kForwardAhead, so that the slots of
+// the packs in flight stay in place (a queue shifted each segment cost a move per word, about 1.75
+// instructions per element at bf16 K = 4), where the unrolled turn fits the blocks of
+// channel_first_forward_min_blocks without spilling; else 1: unrolled, 16-bit K = 6 and 8 and f32
+// K >= 5 spilled 12-32 bytes there or took a block fewer, and the masked kernels spilled 16-32
+// bytes at 16-bit K = 4-6 (and did not unroll on their own, the slots going to local memory).
+template <typename T, int K, bool kMasked>
+constexpr int channel_first_forward_turn() {
+  if constexpr (kMasked) return 1;
+  if constexpr (sizeof(T) == 2) return K <= 5 || K == 7 ? kForwardAhead : 1;
+  return K <= 4 ? kForwardAhead : 1;
 }
 
 // (B, D, L), L a multiple of the pack V: a warp streams chunk_len times of one (b, d) row, lane l
@@ -166,49 +187,88 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
   constexpr int V = kPack<T>;
   constexpr int P = K - 1;
   constexpr int64_t kSegment = kLanes * V;
-  const Conv<T, float, K> conv{p};
+  constexpr int kTurn = channel_first_forward_turn<T, K, kMasked>();
   const int lane = threadIdx.x % kLanes;
+  const T* x = static_cast<const T*>(p.x);
+  T* y = static_cast<T*>(p.y);
   // The item's channel `item` (times [c0, c1)); bit j of masks.before (then of uniform): whether
-  // the item's segment j is uniform (none past the first kUniformSegments).
-  const auto run = [&](const ChannelFirstItem& item, UniformSegments masks) {
-    const T* x_row = static_cast<const T*>(p.x) + item.row * p.length;
-    T* y_row = static_cast<T*>(p.y) + item.row * p.length;
+  // the item's segment j is uniform (none past the first kUniformSegments). silu: p.silu, or
+  // without seq_idx std::true_type or std::false_type.
+  const auto run = [&](const ChannelFirstItem& item, UniformSegments masks, auto silu) {
+    // One element offset serves x and y: the lane's pack at time 0 of the row (their base pointers
+    // stay in the constant bank); the lane's pack of segment s is the item's while s < lane_end.
+    const int64_t lane_at = item.row * p.length + lane * V;
+    const int64_t lane_end = item.c1 - lane * V;
     const int32_t* segment_row = kMasked ? p.seq_idx + item.b * p.length : nullptr;
     float w[K][1], bias[1];
     load_param_rows<T>(p, [&](int) { return item.param_row; }, w, bias);
     ChannelFirstCarry<K> carry;
-    carry.load(conv, item.b, item.c0, item.d);
-    // The lane's packs of the next kAhead segments, loaded before they are needed.
+    carry.load(x + item.row * p.length,
+               p.initial_state == nullptr
+                   ? nullptr
+                   : static_cast<const T*>(p.initial_state) + item.row * P,
+               item.c0);
+    // The lane's packs of the next kForwardAhead segments, loaded before they are needed, the next
+    // segment's in ahead[0]; a turn of the loop takes kTurn segments (ahead[a]: segment a's), then
+    // moves the slots by kTurn (none with kTurn = kForwardAhead).
     RawFor<T, V> ahead[kForwardAhead];
     for (int a = 0; a < kForwardAhead; ++a) {
-      const int64_t t = item.c0 + a * kSegment + lane * V;
-      ahead[a] = load_readonly_or_zero<T, V>(x_row + t, t < item.c1);
+      const int64_t s = item.c0 + a * kSegment;
+      ahead[a] = load_readonly_or_zero<T, V>(x + lane_at + s, s < lane_end);
     }
     uint32_t uniform = masks.before;  // bit 0: the next segment's
-    for (int64_t s = item.c0; s < item.c1; s += kSegment) {
+    // Segment s from its slot, which then receives the pack of segment s + kForwardAhead kSegment
+    // where that is the item's (else it keeps a pack that only lanes whose outputs are not stored
+    // read). whole (std::true_type): every lane's pack of s is the item's.
+    const auto segment = [&](int64_t s, RawFor<T, V>& slot, auto whole) {
+      constexpr bool kWhole = decltype(whole)::value;
       const bool masked = kMasked && !(uniform & 1u);
       uniform >>= 1;
-      const int64_t t0 = s + lane * V;
-      const bool live = t0 < item.c1;
       float own[V];
-      widen(from_raw<T, V>(ahead[0]), own);
-      for (int a = 0; a + 1 < kForwardAhead; ++a) ahead[a] = ahead[a + 1];
-      const int64_t t_ahead = t0 + kForwardAhead * kSegment;
-      ahead[kForwardAhead - 1] = load_readonly_or_zero<T, V>(x_row + t_ahead, t_ahead < item.c1);
-      float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}
+      widen(from_raw<T, V>(slot), own);
+      const int64_t s_ahead = s + kForwardAhead * kSegment;
+      if (s_ahead < lane_end) {
+        slot = __ldg(reinterpret_cast<const RawFor<T, V>*>(x + lane_at + s_ahead));
+      }
+      float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}, t0 = s + lane V
       carry.advance(own, lane, xs);
       float out[V];
       if (!masked) {
-        channel_first_outputs<false>(w, bias[0], xs, nullptr, p.silu, out);
+        channel_first_outputs<false>(w, bias[0], xs, nullptr, silu, out);
       } else {
         int32_t segments[P + V];
-        load_segment_window<V, P, 0>(segment_row, t0, p.length, segments);
-        channel_first_outputs<true>(w, bias[0], xs, segments, p.silu, out);
+        load_segment_window<V, P, 0>(segment_row, s + lane * V, p.length, segments);
+        channel_first_outputs<true>(w, bias[0], xs, segments, silu, out);
       }
-      if (live) store_vec(y_row + t0, narrow<T, V>(out));
+      if (kWhole || s < lane_end) store_vec(y + lane_at + s, narrow<T, V>(out));
+    };
+    int64_t s = item.c0;
+    for (; s + kTurn * kSegment <= item.c1; s += kTurn * kSegment) {
+#pragma unroll
+      for (int a = 0; a < kTurn; ++a) segment(s + a * kSegment, ahead[a], std::true_type{});
+      if constexpr (kTurn < kForwardAhead) {
+        RawFor<T, V> moved[kForwardAhead];
+        for (int a = 0; a < kForwardAhead; ++a) moved[a] = ahead[(a + kTurn) % kForwardAhead];
+        for (int a = 0; a < kForwardAhead; ++a) ahead[a] = moved[a];
+      }
+    }
+#pragma unroll
+    for (int a = 0; a < kTurn; ++a) {
+      if (s + a * kSegment < item.c1) segment(s + a * kSegment, ahead[a], std::false_type{});
     }
   };
-  for_each_channel_first_item<V, P, kMasked>(p, split, 0, run);
+  const auto run_items = [&](auto silu) {
+    for_each_channel_first_item<V, P, kMasked>(
+        p, split, 0,
+        [&](const ChannelFirstItem& item, UniformSegments masks) { run(item, masks, silu); });
+  };
+  if constexpr (kMasked) {
+    // Chosen once, the activation saved one instruction of a uniform segment's 146 at bf16 K = 4
+    // and took f16 and f32 K = 4 a block per SM fewer.
+    run_items(p.silu);
+  } else {
+    with_bool_constant(p.silu, run_items);
+  }
 }
 
 // Warp items whose rows a short-row lane has in flight: 4 x 16 bytes, 2 KB per warp; 24 warps per
