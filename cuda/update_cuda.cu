@@ -34,24 +34,29 @@ __global__ void update_kernel(UpdateParams p) {
   }
 }
 
-// N consecutive weights or biases from element index of base, as A: stored in A, or in T when
-// like_x (conv_math.h's load_param rule). No thread of the kernel writes them: 16-byte read-only
-// loads where the launch has checked the alignment (kWide), else one load per value; widened in
-// registers.
-template <typename T, typename A, int N, bool kWide>
-__device__ __forceinline__ void load_wide_params(const void* base, int64_t index, bool like_x,
-                                                 A (&out)[N]) {
-  with_param_type<T, A>(like_x, [&](auto stored_like_x) {
+// The V * K weights and V biases of a thread's channels, as A: stored in A, or in T when like_x
+// (conv_math.h's load_param rule). The bias is always there (fill_update_params requires
+// (groups, channels); the caller passes zeros for none). No thread of the kernel writes them:
+// 16-byte read-only loads where the launch has checked the alignment (kWide), else one load per
+// value. All are issued before the first is widened, so the thread waits for them once.
+template <typename T, typename A, int K, int V, bool kWide>
+__device__ __forceinline__ void load_token_params(const UpdateParams& p, int64_t channel0,
+                                                  A (&w)[V * K], A (&bias)[V]) {
+  with_param_type<T, A>(p.params_like_x, [&](auto stored_like_x) {
     using S = std::conditional_t<decltype(stored_like_x)::value, T, A>;
-    const S* src = static_cast<const S*>(base) + index;
-    if constexpr (kWide) {
-      constexpr int W = 16 / static_cast<int>(sizeof(S));
-      static_assert(N % W == 0, "whole 16-byte words");
-      for (int i = 0; i < N; i += W) {
-        widen(load_readonly<S, W>(src + i), reinterpret_cast<A(&)[W]>(out[i]));
-      }
-    } else {
-      for (int i = 0; i < N; ++i) out[i] = to_acc<A>(__ldg(src + i));
+    constexpr int W = kWide ? 16 / static_cast<int>(sizeof(S)) : 1;
+    static_assert(V % W == 0, "whole 16-byte words");
+    using Word = RawFor<S, W>;
+    const S* weight = static_cast<const S*>(p.weight) + channel0 * K;
+    const S* bias_src = static_cast<const S*>(p.bias) + channel0;
+    Word w_raw[V * K / W], bias_raw[V / W];
+    for (int i = 0; i < V * K / W; ++i) w_raw[i] = __ldg(reinterpret_cast<const Word*>(weight) + i);
+    for (int i = 0; i < V / W; ++i) bias_raw[i] = __ldg(reinterpret_cast<const Word*>(bias_src) + i);
+    for (int i = 0; i < V * K / W; ++i) {
+      widen(from_raw<S, W>(w_raw[i]), reinterpret_cast<A(&)[W]>(w[i * W]));
+    }
+    for (int i = 0; i < V / W; ++i) {
+      widen(from_raw<S, W>(bias_raw[i]), reinterpret_cast<A(&)[W]>(bias[i * W]));
     }
   });
 }
@@ -111,7 +116,7 @@ struct TokenGrid {
 // weights and bias) and narrow a pair per instruction. bf16 K = 4, channel-last / staged
 // channel-first: the silu path's static SASS instructions 704 / 688 -> 600 / 600, registers
 // 113 / 115 -> 105 / 111.
-template <typename T, typename A, int K, int V, bool kInterleaved, bool kStaged>
+template <typename T, typename A, int K, int V, bool kInterleaved, bool kStaged, bool kDirect>
 __global__ void __launch_bounds__(kUpdateThreads, 2)
     update_token_kernel(UpdateParams p, TokenGrid g) {
   static_assert(!kStaged || kInterleaved, "staging moves channel-first interleaved state");
@@ -135,36 +140,36 @@ __global__ void __launch_bounds__(kUpdateThreads, 2)
   const int64_t b0 = int64_t{group} * g.group_rows + first;
   const int64_t channel0 = int64_t{group} * p.channels + d0;
 
-  A w[V * K], bias[V];
-  load_wide_params<T, A, V * K, (V > 1)>(p.weight, channel0 * K, p.params_like_x, w);
-  if (p.bias) {
-    load_wide_params<T, A, V, (V > 1)>(p.bias, channel0, p.params_like_x, bias);
-  } else {
-    for (int v = 0; v < V; ++v) bias[v] = A(0);
-  }
-
   // One token: x and y have contiguous channels in either layout.
   const int64_t x0 = b0 * p.x_strides.batch + d0;
   const uint32_t in_row = d0 * g.state_channel;
-  T* rows_state[R];  // this thread's channels in each row's state; null for padding rows
+  // This thread's channels in each row's state; null for padding rows. kDirect: row b0 + r, whose
+  // address is one multiply-add from row b0's, and only rows past the tile's end are padding.
+  T* rows_state[R];
   for (int r = 0; r < R; ++r) {
-    const int64_t row = r < rows ? op.pool_row(b0 + r) : -1;
-    rows_state[r] = row < 0 ? nullptr : state + row * p.state_strides.batch + in_row;
+    if constexpr (kDirect) {
+      rows_state[r] = state + (b0 + r) * p.state_strides.batch + in_row;
+    } else {
+      const int64_t row = r < rows ? op.pool_row(b0 + r) : -1;
+      rows_state[r] = row < 0 ? nullptr : state + row * p.state_strides.batch + in_row;
+    }
   }
+  const auto live = [&](int r) { return kDirect ? r < rows : rows_state[r] != nullptr; };
   // Plain loads, not read-only ones: this kernel writes the state it reads. Held as raw words:
   // arrays of Vec copied from loads become byte-wise copies before the loops unroll.
   Word token[R], history[R][P];
-  int ring[R];  // ring mode: the slot of history step 0, which the token replaces
+  // Ring mode, never with interleaved vectors (the launch keeps those to shift mode).
+  const bool ring = !kDirect && !kInterleaved && p.cache_seqlens != nullptr;
+  int slot0[R];  // ring mode: the slot of history step 0, which the token replaces
   for (int r = 0; r < R; ++r) {
+    if (!live(r)) continue;
     const T* src = rows_state[r];
-    if (src == nullptr) continue;
     token[r] = *reinterpret_cast<const Word*>(x + x0 + r * p.x_strides.batch);
     if constexpr (kStaged) {
+      // The warp's coalesced words, held in history until they pass through shared memory.
       const Word* warp_words = reinterpret_cast<const Word*>(src) - lane * P;
-      for (int m = 0; m < P; ++m) stage[warp][r][lane + kLanes * m] = warp_words[lane + kLanes * m];
-      __syncwarp();
-      for (int j = 0; j < P; ++j) history[r][j] = stage[warp][r][lane * P + j];
-    } else if (kInterleaved || p.cache_seqlens == nullptr) {
+      for (int m = 0; m < P; ++m) history[r][m] = warp_words[lane + kLanes * m];
+    } else if (!ring) {
       for (int j = 0; j < P; ++j) {
         history[r][j] = *reinterpret_cast<const Word*>(src + j * g.state_word);
       }
@@ -172,12 +177,27 @@ __global__ void __launch_bounds__(kUpdateThreads, 2)
       // The ring has P slots: step j is position next - P + j, in slot (next + j) mod P. A
       // position below 0 was never written and reads as 0.
       const int next = p.cache_seqlens[b0 + r], slot = next % P;
-      ring[r] = slot < 0 ? slot + P : slot;
+      slot0[r] = slot < 0 ? slot + P : slot;
       for (int j = 0; j < P; ++j) {
-        const int s = ring[r] + j < P ? ring[r] + j : ring[r] + j - P;
+        const int s = slot0[r] + j < P ? slot0[r] + j : slot0[r] + j - P;
         const Word word = *reinterpret_cast<const Word*>(src + s * g.state_word);
         history[r][j] = next < P - j ? Word{} : word;
       }
+    }
+  }
+  // After the rows' loads: the params' loads overlap them, where the params' widening waits.
+  A w[V * K], bias[V];
+  load_token_params<T, A, K, V, (V > 1)>(p, channel0, w, bias);
+  if constexpr (kStaged) {
+    // A shared store waits for its global load, so the staging comes after the params' loads.
+    for (int r = 0; r < R; ++r) {
+      if (!live(r)) continue;
+      for (int m = 0; m < P; ++m) stage[warp][r][lane + kLanes * m] = history[r][m];
+    }
+    __syncwarp();
+    for (int r = 0; r < R; ++r) {
+      if (!live(r)) continue;
+      for (int j = 0; j < P; ++j) history[r][j] = stage[warp][r][lane * P + j];
     }
   }
 
@@ -186,7 +206,7 @@ __global__ void __launch_bounds__(kUpdateThreads, 2)
     for (int r = 0; r < R && r < rows; ++r) {
       T* y_row = y + x0 + r * p.x_strides.batch;
       T* dst = rows_state[r];
-      if (dst == nullptr) {
+      if (!live(r)) {
         store_streaming(y_row, zero_vec<T, V>());
         continue;
       }
@@ -226,8 +246,8 @@ __global__ void __launch_bounds__(kUpdateThreads, 2)
                             from_raw<T, V>(stage[warp][r][lane + kLanes * m]));
           }
         }
-      } else if (p.cache_seqlens != nullptr) {
-        store_streaming(dst + ring[r] * g.state_word, from_raw<T, V>(token[r]));
+      } else if (ring) {
+        store_streaming(dst + slot0[r] * g.state_word, from_raw<T, V>(token[r]));
       } else {
         for (int j = 0; j + 1 < P; ++j) {
           store_streaming(dst + j * g.state_word, from_raw<T, V>(history[r][j + 1]));
@@ -243,7 +263,7 @@ int64_t update_blocks(int64_t threads) {
       1, std::min(kUpdateMaxBlocks, (threads + kUpdateThreads - 1) / kUpdateThreads));
 }
 
-template <typename T, typename A, int K, int V, bool kInterleaved, bool kStaged>
+template <typename T, typename A, int K, int V, bool kInterleaved, bool kStaged, bool kDirect>
 void launch_token(cudaStream_t stream, const UpdateParams& p) {
   constexpr int R = token_rows<T, A, K, V>();
   const int64_t group_rows = p.batch / p.groups, vectors = p.channels / V;
@@ -257,7 +277,7 @@ void launch_token(cudaStream_t stream, const UpdateParams& p) {
   const dim3 block(across, kUpdateThreads / across);
   const dim3 grid((g.vectors + block.x - 1) / block.x, (g.tiles + block.y - 1) / block.y,
                   static_cast<uint32_t>(p.groups));
-  update_token_kernel<T, A, K, V, kInterleaved, kStaged><<<grid, block, 0, stream>>>(p, g);
+  update_token_kernel<T, A, K, V, kInterleaved, kStaged, kDirect><<<grid, block, 0, stream>>>(p, g);
 }
 
 template <typename T, typename A, int kWidth>
@@ -278,14 +298,21 @@ ffi::Error launch_update(cudaStream_t stream, const UpdateParams& p) {
                            aligned16(p.state) && aligned16(p.weight) && aligned16(p.bias);
       // Staged, each warp's lanes take 32 consecutive vectors of the same rows: with the vectors a
       // multiple of 32 (and so the block's x extent), every warp is whole or past the vectors.
+      // The common step (no state_indices, no cache_seqlens) of the two common layouts has its
+      // own kernels, without the pool row lookup and the ring.
+      const bool direct = p.state_indices == nullptr && p.cache_seqlens == nullptr;
       if (vectors && p.channel_last) {
-        launch_token<T, A, kWidth, V, false, false>(stream, p);
+        with_bool_constant(direct, [&](auto d) {
+          launch_token<T, A, kWidth, V, false, false, decltype(d)::value>(stream, p);
+        });
       } else if (vectors && p.cache_seqlens == nullptr && (p.channels / V) % kLanes == 0) {
-        launch_token<T, A, kWidth, V, true, true>(stream, p);
+        with_bool_constant(direct, [&](auto d) {
+          launch_token<T, A, kWidth, V, true, true, decltype(d)::value>(stream, p);
+        });
       } else if (vectors && p.cache_seqlens == nullptr) {
-        launch_token<T, A, kWidth, V, true, false>(stream, p);
+        launch_token<T, A, kWidth, V, true, false, false>(stream, p);
       } else {
-        launch_token<T, A, kWidth, 1, false, false>(stream, p);
+        launch_token<T, A, kWidth, 1, false, false, false>(stream, p);
       }
       return cuda_status("update token kernel");
     }
