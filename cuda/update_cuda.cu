@@ -116,6 +116,16 @@ struct TokenGrid {
 // weights and bias) and narrow a pair per instruction. bf16 K = 4, channel-last / staged
 // channel-first: the silu path's static SASS instructions 704 / 688 -> 600 / 600, registers
 // 113 / 115 -> 105 / 111.
+//
+// Its memory round trips are the other lever: every load of a thread is issued before it waits
+// for the first. The rows' token and history go first, the weights and bias after them (widened
+// once all are in flight), a staged row's shared-memory pass after the params' loads. Before,
+// the thread waited for its weights, then its bias, then (staged) each row in turn before the
+// next load was issued. kDirect (no state_indices, no cache_seqlens: the common step) drops the
+// pool row lookup and the ring. bf16 K = 4 silu, params in x's dtype, 2 rows, channel-last /
+// staged channel-first (executed SASS instructions on that path, static): 498 / 562 -> 383 / 480
+// a thread, the first load of x or the state at instruction 203 / 205 -> 53 / 55; registers
+// 105 / 111 -> 101 / 124.
 template <typename T, typename A, int K, int V, bool kInterleaved, bool kStaged, bool kDirect>
 __global__ void __launch_bounds__(kUpdateThreads, 2)
     update_token_kernel(UpdateParams p, TokenGrid g) {
