@@ -306,11 +306,11 @@ ffi::Error launch_update(cudaStream_t stream, const UpdateParams& p) {
       // a vector holds whole rings, whose rotation by cache_seqlens is not between fixed registers.
       const bool vectors = p.channels % V == 0 && aligned16(p.x) && aligned16(p.y) &&
                            aligned16(p.state) && aligned16(p.weight) && aligned16(p.bias);
-      // Staged, each warp's lanes take 32 consecutive vectors of the same rows: with the vectors a
-      // multiple of 32 (and so the block's x extent), every warp is whole or past the vectors.
       // The common step (no state_indices, no cache_seqlens) of the two common layouts has its
       // own kernels, without the pool row lookup and the ring.
       const bool direct = p.state_indices == nullptr && p.cache_seqlens == nullptr;
+      // Staged, each warp's lanes take 32 consecutive vectors of the same rows: with the vectors a
+      // multiple of 32 (and so the block's x extent), every warp is whole or past the vectors.
       if (vectors && p.channel_last) {
         with_bool_constant(direct, [&](auto d) {
           launch_token<T, A, kWidth, V, false, false, decltype(d)::value>(stream, p);
