@@ -325,18 +325,26 @@ ffi::Error launch_update(cudaStream_t stream, const UpdateParams& p) {
       const bool vectors = p.channels % V == 0 && aligned16(p.x) && aligned16(p.y) &&
                            aligned16(p.state) && aligned16(p.weight) && aligned16(p.bias);
       // The common step (no state_indices, no cache_seqlens) of the two common layouts has its
-      // own kernels, without the pool row lookup and the ring.
+      // own kernels, without the pool row lookup and the ring, where a thread walks rows: a
+      // direct one-row kernel of the widest 16-bit filters spilled (K = 8 half, channel-last).
       const bool direct = p.state_indices == nullptr && p.cache_seqlens == nullptr;
+      const auto launch_vectors = [&](auto interleaved, auto staged) {
+        constexpr bool kInterleaved = decltype(interleaved)::value;
+        constexpr bool kStaged = decltype(staged)::value;
+        if constexpr (token_ahead<T, A, kWidth, V>()) {
+          with_bool_constant(direct, [&](auto d) {
+            launch_token<T, A, kWidth, V, kInterleaved, kStaged, decltype(d)::value>(stream, p);
+          });
+        } else {
+          launch_token<T, A, kWidth, V, kInterleaved, kStaged, false>(stream, p);
+        }
+      };
       // Staged, each warp's lanes take 32 consecutive vectors of the same rows: with the vectors a
       // multiple of 32 (and so the block's x extent), every warp is whole or past the vectors.
       if (vectors && p.channel_last) {
-        with_bool_constant(direct, [&](auto d) {
-          launch_token<T, A, kWidth, V, false, false, decltype(d)::value>(stream, p);
-        });
+        launch_vectors(std::false_type{}, std::false_type{});
       } else if (vectors && p.cache_seqlens == nullptr && (p.channels / V) % kLanes == 0) {
-        with_bool_constant(direct, [&](auto d) {
-          launch_token<T, A, kWidth, V, true, true, decltype(d)::value>(stream, p);
-        });
+        launch_vectors(std::true_type{}, std::true_type{});
       } else if (vectors && p.cache_seqlens == nullptr) {
         launch_token<T, A, kWidth, V, true, false, false>(stream, p);
       } else {
