@@ -51,7 +51,9 @@ __device__ __forceinline__ void load_token_params(const UpdateParams& p, int64_t
     const S* bias_src = static_cast<const S*>(p.bias) + channel0;
     Word w_raw[V * K / W], bias_raw[V / W];
     for (int i = 0; i < V * K / W; ++i) w_raw[i] = __ldg(reinterpret_cast<const Word*>(weight) + i);
-    for (int i = 0; i < V / W; ++i) bias_raw[i] = __ldg(reinterpret_cast<const Word*>(bias_src) + i);
+    for (int i = 0; i < V / W; ++i) {
+      bias_raw[i] = __ldg(reinterpret_cast<const Word*>(bias_src) + i);
+    }
     for (int i = 0; i < V * K / W; ++i) {
       widen(from_raw<S, W>(w_raw[i]), reinterpret_cast<A(&)[W]>(w[i * W]));
     }
@@ -121,6 +123,19 @@ struct TokenGrid {
 // weights and bias) and narrow a pair per instruction. bf16 K = 4, channel-last / staged
 // channel-first: the silu path's static SASS instructions 704 / 688 -> 600 / 600, registers
 // 113 / 115 -> 105 / 111 (two-row tiles, before the pipe).
+//
+// Its memory round trips are the other lever: a thread issues its loads before it waits for any.
+// The first row's token and history go before the weights and bias (all of the params' loads
+// issued before the first is widened), and each next row's before the current row's compute and
+// stores; a staged row passes through shared memory when it is computed, its global loads issued
+// a row earlier. kDirect (no state_indices, no cache_seqlens: the common step) drops the pool row
+// lookup, the padding rows and the ring; only the kernels that walk rows have it. bf16 K = 4
+// silu, channel-last / staged channel-first, SASS instructions a row: two-row tiles 249 / 281
+// executed; the load order and kDirect on those tiles 192 / 240 executed, the first load of x or
+// the state at instruction 203 / 205 -> 53 / 55; walking rows with both, the walk's loop 182 / 213
+// static (a thread's 135 / 133 before the walk once), the first load at 51 / 54, registers 108 /
+// 113. Predicted, not measured on a GPU yet: fewer instructions a row and the next row's loads
+// under the current row's stores make the step faster than either change alone.
 template <typename T, typename A, int K, int V, bool kInterleaved, bool kStaged, bool kDirect>
 __global__ void __launch_bounds__(kUpdateThreads, kTokenBlocksPerSm)
     update_token_kernel(UpdateParams p, TokenGrid g) {
