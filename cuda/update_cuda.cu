@@ -2,8 +2,8 @@
 // channels independent pieces of work; neighbouring threads take neighbouring channels.
 //
 // The common step (one token, a K-1 slot state, compile-time K) has its own kernel: a thread owns
-// a vector of channels in a few batch rows, loads the weights once and every row's token and
-// history before it writes anything, then writes y and the state. The generic kernel runs
+// a vector of channels, loads their weights once and walks batch rows, each row's token and
+// history loaded before the previous row's y and state are written. The generic kernel runs
 // update_math.h one channel at a time, whose in-place state shift alternates loads and stores, so
 // each state slot costs a memory round trip.
 #include <cuda_bf16.h>
@@ -34,55 +34,65 @@ __global__ void update_kernel(UpdateParams p) {
   }
 }
 
-// N consecutive weights or biases from element index of base, as A: stored in A, or in T when
-// like_x (conv_math.h's load_param rule). No thread of the kernel writes them: 16-byte read-only
-// loads where the launch has checked the alignment (kWide), else one load per value; widened in
-// registers.
-template <typename T, typename A, int N, bool kWide>
-__device__ __forceinline__ void load_wide_params(const void* base, int64_t index, bool like_x,
-                                                 A (&out)[N]) {
-  with_param_type<T, A>(like_x, [&](auto stored_like_x) {
+// The V * K weights and V biases of a thread's channels, as A: stored in A, or in T when like_x
+// (conv_math.h's load_param rule). The bias is always there (fill_update_params requires
+// (groups, channels); the caller passes zeros for none). No thread of the kernel writes them:
+// 16-byte read-only loads where the launch has checked the alignment (kWide), else one load per
+// value. All are issued before the first is widened, so the thread waits for them once.
+template <typename T, typename A, int K, int V, bool kWide>
+__device__ __forceinline__ void load_token_params(const UpdateParams& p, int64_t channel0,
+                                                  A (&w)[V * K], A (&bias)[V]) {
+  with_param_type<T, A>(p.params_like_x, [&](auto stored_like_x) {
     using S = std::conditional_t<decltype(stored_like_x)::value, T, A>;
-    const S* src = static_cast<const S*>(base) + index;
-    if constexpr (kWide) {
-      constexpr int W = 16 / static_cast<int>(sizeof(S));
-      static_assert(N % W == 0, "whole 16-byte words");
-      for (int i = 0; i < N; i += W) {
-        widen(load_readonly<S, W>(src + i), reinterpret_cast<A(&)[W]>(out[i]));
-      }
-    } else {
-      for (int i = 0; i < N; ++i) out[i] = to_acc<A>(__ldg(src + i));
+    constexpr int W = kWide ? 16 / static_cast<int>(sizeof(S)) : 1;
+    static_assert(V % W == 0, "whole 16-byte words");
+    using Word = RawFor<S, W>;
+    const S* weight = static_cast<const S*>(p.weight) + channel0 * K;
+    const S* bias_src = static_cast<const S*>(p.bias) + channel0;
+    Word w_raw[V * K / W], bias_raw[V / W];
+    for (int i = 0; i < V * K / W; ++i) w_raw[i] = __ldg(reinterpret_cast<const Word*>(weight) + i);
+    for (int i = 0; i < V / W; ++i) {
+      bias_raw[i] = __ldg(reinterpret_cast<const Word*>(bias_src) + i);
+    }
+    for (int i = 0; i < V * K / W; ++i) {
+      widen(from_raw<S, W>(w_raw[i]), reinterpret_cast<A(&)[W]>(w[i * W]));
+    }
+    for (int i = 0; i < V / W; ++i) {
+      widen(from_raw<S, W>(bias_raw[i]), reinterpret_cast<A(&)[W]>(bias[i * W]));
     }
   });
 }
 
-// Batch rows per thread in the one-token kernel. The thread loads its channels' weights once for
-// all of them (re-read for every row, they were as many L2 bytes as the data) and has all their
-// loads in flight before its first store. The rows' words and the weights stay within
-// kTokenRegisters 32-bit registers: with the addresses at most 128, two blocks of 256 per SM. At
-// most kMaxTokenRows: more rows leave too few threads to cover the latency (H200, B 256, D 8192,
-// bf16, K 4, channel-last / channel-first, us per step: 1 row 17.3 / 20.4, 2 rows 13.2 / 14.3,
-// 3 rows 13.9 / 16.5, 4 rows 16.1 / 17.0).
+// The one-token kernel's rows. A thread walks batch rows of its channels, loading its weights
+// once for all of them, and (kAhead) has two in flight: the next row's loads are issued before the
+// current row's compute and stores, so they overlap those stores. Two rows at once was the best
+// count when a thread took a fixed tile of rows and loaded them all before its first store (H200,
+// B 256, D 8192, bf16, K 4, channel-last / channel-first, us per step: 1 row 17.3 / 20.4, 2 rows
+// 13.2 / 14.3, 3 rows 13.9 / 16.5, 4 rows 16.1 / 17.0). Two rows' words and the weights fit
+// kTokenRegisters 32-bit registers (with the addresses at most 128, two blocks of 256 per SM)
+// up to K = 5 in 16-bit types and K = 7 in float (two rows of wider filters spilled up to 340
+// bytes); a thread of a wider filter takes one row, the grid all rows at once. Walking rows, the
+// grid is one wave of resident blocks (two waves of two-row tiles before), so no block waits for
+// a second wave.
 constexpr int kTokenRegisters = 80;
-constexpr int kMaxTokenRows = 2;
+constexpr int kTokenBlocksPerSm = 2;
 
 template <typename T, typename A, int K, int V>
-constexpr int token_rows() {
+constexpr bool token_ahead() {
   constexpr int weights = V * K * static_cast<int>(sizeof(A)) / 4;
   constexpr int row = K * ((V * static_cast<int>(sizeof(T)) + 3) / 4);
-  return std::clamp((kTokenRegisters - weights) / row, 1, kMaxTokenRows);
+  return weights + 2 * row <= kTokenRegisters;
 }
-
-// The one-token kernel's grid, in 32 bits (the launch checks that it fits): a thread takes V
-// channels (vector x) of up to token_rows() batch rows (row tile y) of weight group z, so that it
-// finds its work without an integer division. Grid x covers a group's channel vectors, y its row
-// tiles, z the groups; a block is (vectors rounded up to a warp, at most kUpdateThreads) x (as many
-// tiles as fill kUpdateThreads), so neighbouring threads take neighbouring channels of the same
-// rows and a warp's lanes take consecutive vectors of one tile.
+//
+// The grid, in 32 bits (the launch checks that it fits): a thread takes V channels (vector x) of
+// the rows y, y + gridDim.y * blockDim.y, ... of weight group z, so that it finds its work without
+// an integer division. Grid x covers a group's channel vectors; a block is (vectors rounded up to
+// a warp, at most kUpdateThreads) x (as many rows as fill kUpdateThreads), so neighbouring threads
+// take neighbouring channels of the same rows and a warp's lanes take consecutive vectors of one
+// row.
 struct TokenGrid {
-  uint32_t vectors;     // channels / V
-  uint32_t tiles;       // ceil(group_rows / rows per thread)
-  uint32_t group_rows;  // batch / groups
+  uint32_t vectors;       // channels / V
+  uint32_t group_rows;    // batch / groups
   int32_t state_channel;  // state stride of a channel
   int32_t state_word;     // state stride between a channel vector's loads of V elements
 };
@@ -98,31 +108,48 @@ struct TokenGrid {
 // shared memory as P coalesced 512-byte accesses; each lane then takes its own P words from
 // shared memory. Straight from global memory, a load instruction's 32 lanes touch words P apart
 // (48 bytes at K = 4): on the H200 the decode step's kernel took 10.7 us (L2-warm) that way and
-// 8.4 us staged, 13.2 -> 12.9 us a step in a jitted loop (eleventh session, trial-decode).
+// 8.4 us staged, 13.2 -> 12.9 us a step in a jitted loop (eleventh session, trial-decode). A row's
+// coalesced words pass through shared memory when the thread comes to compute it, a row after
+// their loads were issued.
 //
 // Every store of y and the state is evict-first (streaming): the step writes both once and the
 // next read of the state is a step later (12.4 -> 12.2 us a step channel-last, 13.2 -> 12.8
 // channel-first, same trial).
 //
 // The kernel is latency-bound, so its instruction count is the lever: the activation is chosen
-// once (the rows' compute is compiled for silu and for none, no select per element), the tile
-// comes from the grid's indices (no division of a flat index by run-time divisors before the
+// once (the rows' compute is compiled for silu and for none, no select per element), the rows
+// come from the grid's indices (no division of a flat index by run-time divisors before the
 // first load), and bfloat16 words widen a pair per instruction (the token, the history, the
 // weights and bias) and narrow a pair per instruction. bf16 K = 4, channel-last / staged
 // channel-first: the silu path's static SASS instructions 704 / 688 -> 600 / 600, registers
-// 113 / 115 -> 105 / 111.
-template <typename T, typename A, int K, int V, bool kInterleaved, bool kStaged>
-__global__ void __launch_bounds__(kUpdateThreads, 2)
+// 113 / 115 -> 105 / 111 (two-row tiles, before the pipe).
+//
+// Its memory round trips are the other lever: a thread issues its loads before it waits for any.
+// The first row's token and history go before the weights and bias (all of the params' loads
+// issued before the first is widened), and each next row's before the current row's compute and
+// stores; a staged row passes through shared memory when it is computed, its global loads issued
+// a row earlier. kDirect (no state_indices, no cache_seqlens: the common step) drops the pool row
+// lookup, the padding rows and the ring; only the kernels that walk rows have it. bf16 K = 4
+// silu, channel-last / staged channel-first, SASS instructions a row: two-row tiles 249 / 281
+// executed; the load order and kDirect on those tiles 192 / 240 executed, the first load of x or
+// the state at instruction 203 / 205 -> 53 / 55; walking rows with both, the walk's loop 182 / 213
+// static (a thread's 135 / 133 before the walk once), the first load at 51 / 54, registers 108 /
+// 113. Predicted, not measured on a GPU yet: fewer instructions a row and the next row's loads
+// under the current row's stores make the step faster than either change alone.
+template <typename T, typename A, int K, int V, bool kInterleaved, bool kStaged, bool kDirect>
+__global__ void __launch_bounds__(kUpdateThreads, kTokenBlocksPerSm)
     update_token_kernel(UpdateParams p, TokenGrid g) {
   static_assert(!kStaged || kInterleaved, "staging moves channel-first interleaved state");
-  constexpr int P = K - 1, R = token_rows<T, A, K, V>();
+  constexpr int P = K - 1;
+  constexpr bool kAhead = token_ahead<T, A, K, V>();
   using Word = RawFor<T, V>;
   constexpr int kWarps = kUpdateThreads / kLanes;
-  __shared__ Word stage[kStaged ? kWarps : 1][kStaged ? R : 1][kStaged ? kLanes * P : 1];
+  __shared__ Word stage[kStaged ? kWarps : 1][kStaged ? kLanes * P : 1];
   const uint32_t vector = blockIdx.x * blockDim.x + threadIdx.x;
-  const uint32_t tile = blockIdx.y * blockDim.y + threadIdx.y;
-  if (vector >= g.vectors || tile >= g.tiles) return;
-  // blockDim.x is a multiple of 32: a warp is one tile's, whole or (past the vectors) absent.
+  const uint32_t first = blockIdx.y * blockDim.y + threadIdx.y, step = gridDim.y * blockDim.y;
+  if (vector >= g.vectors || first >= g.group_rows) return;
+  // blockDim.x is a multiple of 32: a warp is one row's, whole or (past the vectors) absent, and
+  // its lanes walk the same rows.
   const int lane = threadIdx.x % kLanes, warp = (threadIdx.y * blockDim.x + threadIdx.x) / kLanes;
   // History element (channel c, step j) in a row's P loads.
   constexpr auto at = [](int c, int j) { return kInterleaved ? c * P + j : j * V + c; };
@@ -130,110 +157,131 @@ __global__ void __launch_bounds__(kUpdateThreads, 2)
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
   T* state = static_cast<T*>(p.state);
-  const uint32_t group = blockIdx.z, d0 = vector * V, first = tile * R;
-  const int rows = static_cast<int>(min(uint32_t{R}, g.group_rows - first));
-  const int64_t b0 = int64_t{group} * g.group_rows + first;
+  const uint32_t group = blockIdx.z, d0 = vector * V;
+  const int64_t group_b0 = int64_t{group} * g.group_rows;
   const int64_t channel0 = int64_t{group} * p.channels + d0;
-
-  A w[V * K], bias[V];
-  load_wide_params<T, A, V * K, (V > 1)>(p.weight, channel0 * K, p.params_like_x, w);
-  if (p.bias) {
-    load_wide_params<T, A, V, (V > 1)>(p.bias, channel0, p.params_like_x, bias);
-  } else {
-    for (int v = 0; v < V; ++v) bias[v] = A(0);
-  }
-
-  // One token: x and y have contiguous channels in either layout.
-  const int64_t x0 = b0 * p.x_strides.batch + d0;
   const uint32_t in_row = d0 * g.state_channel;
-  T* rows_state[R];  // this thread's channels in each row's state; null for padding rows
-  for (int r = 0; r < R; ++r) {
-    const int64_t row = r < rows ? op.pool_row(b0 + r) : -1;
-    rows_state[r] = row < 0 ? nullptr : state + row * p.state_strides.batch + in_row;
-  }
-  // Plain loads, not read-only ones: this kernel writes the state it reads. Held as raw words:
-  // arrays of Vec copied from loads become byte-wise copies before the loops unroll.
-  Word token[R], history[R][P];
-  int ring[R];  // ring mode: the slot of history step 0, which the token replaces
-  for (int r = 0; r < R; ++r) {
-    const T* src = rows_state[r];
-    if (src == nullptr) continue;
-    token[r] = *reinterpret_cast<const Word*>(x + x0 + r * p.x_strides.batch);
+
+  // A row in flight. Plain loads, not read-only ones: this kernel writes the state it reads. Held
+  // as raw words: arrays of Vec copied from loads become byte-wise copies before the loops unroll.
+  struct Row {
+    T* state;  // this thread's channels in the row's state; null for a padding row (never kDirect)
+    Word token, history[P];  // staged: the warp's coalesced words until the row is computed
+    int slot0;  // ring mode: the slot of history step 0, which the token replaces
+  };
+  // Ring mode, never with interleaved vectors (the launch keeps those to shift mode).
+  const bool ring = !kDirect && !kInterleaved && p.cache_seqlens != nullptr;
+  const auto fetch = [&](uint32_t r, Row& row) {
+    const int64_t b = group_b0 + r;
+    if constexpr (kDirect) {
+      row.state = state + b * p.state_strides.batch + in_row;
+    } else {
+      const int64_t pool_row = op.pool_row(b);
+      row.state = pool_row < 0 ? nullptr : state + pool_row * p.state_strides.batch + in_row;
+      if (row.state == nullptr) return;
+    }
+    // One token: x and y have contiguous channels in either layout.
+    row.token = *reinterpret_cast<const Word*>(x + b * p.x_strides.batch + d0);
     if constexpr (kStaged) {
-      const Word* warp_words = reinterpret_cast<const Word*>(src) - lane * P;
-      for (int m = 0; m < P; ++m) stage[warp][r][lane + kLanes * m] = warp_words[lane + kLanes * m];
-      __syncwarp();
-      for (int j = 0; j < P; ++j) history[r][j] = stage[warp][r][lane * P + j];
-    } else if (kInterleaved || p.cache_seqlens == nullptr) {
+      const Word* warp_words = reinterpret_cast<const Word*>(row.state) - lane * P;
+      for (int m = 0; m < P; ++m) row.history[m] = warp_words[lane + kLanes * m];
+    } else if (!ring) {
       for (int j = 0; j < P; ++j) {
-        history[r][j] = *reinterpret_cast<const Word*>(src + j * g.state_word);
+        row.history[j] = *reinterpret_cast<const Word*>(row.state + j * g.state_word);
       }
     } else {
       // The ring has P slots: step j is position next - P + j, in slot (next + j) mod P. A
       // position below 0 was never written and reads as 0.
-      const int next = p.cache_seqlens[b0 + r], slot = next % P;
-      ring[r] = slot < 0 ? slot + P : slot;
+      const int next = p.cache_seqlens[b], slot = next % P;
+      row.slot0 = slot < 0 ? slot + P : slot;
       for (int j = 0; j < P; ++j) {
-        const int s = ring[r] + j < P ? ring[r] + j : ring[r] + j - P;
-        const Word word = *reinterpret_cast<const Word*>(src + s * g.state_word);
-        history[r][j] = next < P - j ? Word{} : word;
+        const int s = row.slot0 + j < P ? row.slot0 + j : row.slot0 + j - P;
+        const Word word = *reinterpret_cast<const Word*>(row.state + s * g.state_word);
+        row.history[j] = next < P - j ? Word{} : word;
       }
     }
-  }
+  };
 
-  with_bool_constant(p.silu, [&](auto silu) {
-#pragma unroll
-    for (int r = 0; r < R && r < rows; ++r) {
-      T* y_row = y + x0 + r * p.x_strides.batch;
-      T* dst = rows_state[r];
-      if (dst == nullptr) {
-        store_streaming(y_row, zero_vec<T, V>());
-        continue;
-      }
-      A now[V], past[P][V];
-      widen(from_raw<T, V>(token[r]), now);
-      for (int j = 0; j < P; ++j) widen(from_raw<T, V>(history[r][j]), past[j]);
-      A out[V];
-      for (int v = 0; v < V; ++v) {
-        A z = bias[v] + w[v * K + P] * now[v];
-        for (int k = 0; k < P; ++k) z += w[v * K + k] * past[at(v, k) / V][at(v, k) % V];
-        out[v] = activate(z, silu);
-      }
-      store_streaming(y_row, narrow<T, V>(out));
-      if constexpr (kInterleaved) {
-        // The shift moves the stored elements, not their widened copies.
-        const Vec<T, V> token_vec = from_raw<T, V>(token[r]);
-        const auto element = [&](int c, int j) {
-          return from_raw<T, V>(history[r][at(c, j) / V]).v[at(c, j) % V];
-        };
-        for (int j = 0; j < P; ++j) {
-          Vec<T, V> shifted;
-          for (int i = 0; i < V; ++i) {
-            const int c = (j * V + i) / P, s = (j * V + i) % P;
-            shifted.v[i] = s + 1 < P ? element(c, s + 1) : token_vec.v[c];
-          }
-          if constexpr (kStaged) {
-            stage[warp][r][lane * P + j] = to_raw(shifted);  // the slots this lane read
-          } else {
-            store_streaming(dst + j * V, shifted);
-          }
+  // The first row's loads before the params': the params' loads overlap them, where the params'
+  // widening waits.
+  Row current;
+  fetch(first, current);
+  A w[V * K], bias[V];
+  load_token_params<T, A, K, V, (V > 1)>(p, channel0, w, bias);
+
+  // Row r from its words: y, then the state. The warp's shared-memory passes are ordered by its
+  // __syncwarp()s: each lane writes the slots it reads before the next pass (own column, then own
+  // P words), and a pass reads other lanes' slots only after a __syncwarp().
+  const auto finish = [&](uint32_t r, Row& row, auto silu) {
+    T* y_row = y + (group_b0 + r) * p.x_strides.batch + d0;
+    T* dst = row.state;
+    if (!kDirect && dst == nullptr) {
+      store_streaming(y_row, zero_vec<T, V>());
+      return;
+    }
+    if constexpr (kStaged) {
+      for (int m = 0; m < P; ++m) stage[warp][lane + kLanes * m] = row.history[m];
+      __syncwarp();
+      for (int j = 0; j < P; ++j) row.history[j] = stage[warp][lane * P + j];
+    }
+    A now[V], past[P][V];
+    widen(from_raw<T, V>(row.token), now);
+    for (int j = 0; j < P; ++j) widen(from_raw<T, V>(row.history[j]), past[j]);
+    A out[V];
+    for (int v = 0; v < V; ++v) {
+      A z = bias[v] + w[v * K + P] * now[v];
+      for (int k = 0; k < P; ++k) z += w[v * K + k] * past[at(v, k) / V][at(v, k) % V];
+      out[v] = activate(z, silu);
+    }
+    store_streaming(y_row, narrow<T, V>(out));
+    if constexpr (kInterleaved) {
+      // The shift moves the stored elements, not their widened copies.
+      const Vec<T, V> token_vec = from_raw<T, V>(row.token);
+      const auto element = [&](int c, int j) {
+        return from_raw<T, V>(row.history[at(c, j) / V]).v[at(c, j) % V];
+      };
+      for (int j = 0; j < P; ++j) {
+        Vec<T, V> shifted;
+        for (int i = 0; i < V; ++i) {
+          const int c = (j * V + i) / P, s = (j * V + i) % P;
+          shifted.v[i] = s + 1 < P ? element(c, s + 1) : token_vec.v[c];
         }
         if constexpr (kStaged) {
-          __syncwarp();
-          Word* warp_words = reinterpret_cast<Word*>(dst) - lane * P;
-          for (int m = 0; m < P; ++m) {
-            store_streaming(reinterpret_cast<T*>(warp_words + lane + kLanes * m),
-                            from_raw<T, V>(stage[warp][r][lane + kLanes * m]));
-          }
+          stage[warp][lane * P + j] = to_raw(shifted);  // the slots this lane read
+        } else {
+          store_streaming(dst + j * V, shifted);
         }
-      } else if (p.cache_seqlens != nullptr) {
-        store_streaming(dst + ring[r] * g.state_word, from_raw<T, V>(token[r]));
-      } else {
-        for (int j = 0; j + 1 < P; ++j) {
-          store_streaming(dst + j * g.state_word, from_raw<T, V>(history[r][j + 1]));
-        }
-        store_streaming(dst + (P - 1) * g.state_word, from_raw<T, V>(token[r]));
       }
+      if constexpr (kStaged) {
+        __syncwarp();
+        Word* warp_words = reinterpret_cast<Word*>(dst) - lane * P;
+        for (int m = 0; m < P; ++m) {
+          store_streaming(reinterpret_cast<T*>(warp_words + lane + kLanes * m),
+                          from_raw<T, V>(stage[warp][lane + kLanes * m]));
+        }
+      }
+    } else if (ring) {
+      store_streaming(dst + row.slot0 * g.state_word, from_raw<T, V>(row.token));
+    } else {
+      for (int j = 0; j + 1 < P; ++j) {
+        store_streaming(dst + j * g.state_word, from_raw<T, V>(row.history[j + 1]));
+      }
+      store_streaming(dst + (P - 1) * g.state_word, from_raw<T, V>(row.token));
+    }
+  };
+
+  with_bool_constant(p.silu, [&](auto silu) {
+    if constexpr (kAhead) {
+      for (uint32_t r = first;; r += step) {
+        Row ahead;
+        const bool more = g.group_rows - r > step;  // r + step < group_rows, without overflow
+        if (more) fetch(r + step, ahead);
+        finish(r, current, silu);
+        if (!more) break;
+        current = ahead;
+      }
+    } else {
+      finish(first, current, silu);  // the launch gives the thread one row
     }
   });
 }
@@ -243,21 +291,36 @@ int64_t update_blocks(int64_t threads) {
       1, std::min(kUpdateMaxBlocks, (threads + kUpdateThreads - 1) / kUpdateThreads));
 }
 
-template <typename T, typename A, int K, int V, bool kInterleaved, bool kStaged>
+// The one-token kernel's blocks resident at once on the current device (one wave), as its
+// launch bounds promise. Not the occupancy calculator: the launch may be captured into a CUDA
+// graph, where loading a module to query it is not a safe call; and a kernel with room for more
+// blocks only has its threads walk more rows.
+int64_t token_wave_blocks() {
+  int device = 0, sms = 1;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return std::max<int64_t>(1, int64_t{sms} * kTokenBlocksPerSm);
+}
+
+template <typename T, typename A, int K, int V, bool kInterleaved, bool kStaged, bool kDirect>
 void launch_token(cudaStream_t stream, const UpdateParams& p) {
-  constexpr int R = token_rows<T, A, K, V>();
   const int64_t group_rows = p.batch / p.groups, vectors = p.channels / V;
-  const TokenGrid g{static_cast<uint32_t>(vectors),
-                    static_cast<uint32_t>((group_rows + R - 1) / R),
-                    static_cast<uint32_t>(group_rows),
+  const TokenGrid g{static_cast<uint32_t>(vectors), static_cast<uint32_t>(group_rows),
                     static_cast<int32_t>(p.state_strides.channel),
                     static_cast<int32_t>(kInterleaved ? V : p.state_strides.time)};
   const uint32_t across = static_cast<uint32_t>(
       std::min<int64_t>(kUpdateThreads, (vectors + kLanes - 1) / kLanes * kLanes));
   const dim3 block(across, kUpdateThreads / across);
-  const dim3 grid((g.vectors + block.x - 1) / block.x, (g.tiles + block.y - 1) / block.y,
+  const int64_t x_blocks = (vectors + block.x - 1) / block.x;
+  const int64_t row_blocks = (group_rows + block.y - 1) / block.y;
+  const int64_t y_blocks =
+      token_ahead<T, A, K, V>()
+          ? std::min(row_blocks,
+                     std::max<int64_t>(1, token_wave_blocks() / (x_blocks * p.groups)))
+          : row_blocks;
+  const dim3 grid(static_cast<uint32_t>(x_blocks), static_cast<uint32_t>(y_blocks),
                   static_cast<uint32_t>(p.groups));
-  update_token_kernel<T, A, K, V, kInterleaved, kStaged><<<grid, block, 0, stream>>>(p, g);
+  update_token_kernel<T, A, K, V, kInterleaved, kStaged, kDirect><<<grid, block, 0, stream>>>(p, g);
 }
 
 template <typename T, typename A, int kWidth>
@@ -266,7 +329,7 @@ ffi::Error launch_update(cudaStream_t stream, const UpdateParams& p) {
   if (work == 0) return ffi::Error::Success();
   if constexpr (kWidth > 0) {
     // The token kernel indexes a row's state in 32 bits, and its grid's y and z dimensions (at
-    // most one row tile a batch row, the weight groups) are at most 65535 blocks.
+    // most one block a batch row, the weight groups) are at most 65535 blocks.
     constexpr int64_t kGridLimit = 65535;
     if (p.tokens == 1 && p.state_len == kWidth - 1 &&
         p.channels * p.state_len <= std::numeric_limits<int32_t>::max() &&
@@ -276,16 +339,31 @@ ffi::Error launch_update(cudaStream_t stream, const UpdateParams& p) {
       // a vector holds whole rings, whose rotation by cache_seqlens is not between fixed registers.
       const bool vectors = p.channels % V == 0 && aligned16(p.x) && aligned16(p.y) &&
                            aligned16(p.state) && aligned16(p.weight) && aligned16(p.bias);
+      // The common step (no state_indices, no cache_seqlens) of the two common layouts has its
+      // own kernels, without the pool row lookup and the ring, where a thread walks rows: a
+      // direct one-row kernel of the widest 16-bit filters spilled (K = 8 half, channel-last).
+      const bool direct = p.state_indices == nullptr && p.cache_seqlens == nullptr;
+      const auto launch_vectors = [&](auto interleaved, auto staged) {
+        constexpr bool kInterleaved = decltype(interleaved)::value;
+        constexpr bool kStaged = decltype(staged)::value;
+        if constexpr (token_ahead<T, A, kWidth, V>()) {
+          with_bool_constant(direct, [&](auto d) {
+            launch_token<T, A, kWidth, V, kInterleaved, kStaged, decltype(d)::value>(stream, p);
+          });
+        } else {
+          launch_token<T, A, kWidth, V, kInterleaved, kStaged, false>(stream, p);
+        }
+      };
       // Staged, each warp's lanes take 32 consecutive vectors of the same rows: with the vectors a
       // multiple of 32 (and so the block's x extent), every warp is whole or past the vectors.
       if (vectors && p.channel_last) {
-        launch_token<T, A, kWidth, V, false, false>(stream, p);
+        launch_vectors(std::false_type{}, std::false_type{});
       } else if (vectors && p.cache_seqlens == nullptr && (p.channels / V) % kLanes == 0) {
-        launch_token<T, A, kWidth, V, true, true>(stream, p);
+        launch_vectors(std::true_type{}, std::true_type{});
       } else if (vectors && p.cache_seqlens == nullptr) {
-        launch_token<T, A, kWidth, V, true, false>(stream, p);
+        launch_token<T, A, kWidth, V, true, false, false>(stream, p);
       } else {
-        launch_token<T, A, kWidth, 1, false, false>(stream, p);
+        launch_token<T, A, kWidth, 1, false, false, false>(stream, p);
       }
       return cuda_status("update token kernel");
     }

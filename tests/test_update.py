@@ -170,12 +170,16 @@ def test_one_token_without_activation(dtype, mode, layout, channels, dev):
     check(pool=9, indices=[3, -1, 0, 8, 9, 5, 1])
 
 
-# The GPU's one-token kernel takes its channel vector from the grid's x index and its row tile (2
-# bf16 rows at K = 4) from y; z, the weight groups, is test_one_token_weight_groups'. D = 4096 is
-# 512 vectors, two blocks of 256 threads along x, and B = 5 three tiles, three blocks along y.
-# D = 48 is 6 vectors: a block of 32 x 8 threads, most of them past the vectors, and B = 37 is 19
-# tiles, three blocks along y whose last has threads past the tiles. Beyond 65535 rows a weight
-# group the generic kernel takes the step.
+# The GPU's one-token kernel takes its channel vector from the grid's x index and its first batch
+# row from y, then walks rows a grid's extent along y apart; z, the weight groups, is
+# test_one_token_weight_groups'. Grid y is at most one wave of resident blocks over the x and z
+# blocks (two blocks an SM: 264 on an H200). D = 4096 is 512 vectors, two blocks of 256 threads
+# along x, and B = 5 five blocks along y, a row a thread. D = 48 is 6 vectors: a block of 32 x 8
+# threads, most of them past the vectors, and B = 37 five blocks along y whose last has threads
+# past the rows. B = 300 at D = 4096 (132 blocks along y on an H200) and B = 5000 at D = 48 (264
+# blocks of 8 rows) are more than two waves' rows: threads walk two or three rows, the next one's
+# loads in flight; the pool indices, with padding rows, take the walk through the row lookup.
+# Beyond 65535 rows a weight group the generic kernel takes the step.
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mode", MODES)
@@ -184,6 +188,10 @@ def test_one_token_grid(mode, layout, dev):
     one_token_check(rng, jnp.bfloat16, layout, mode, 5, 4096, 4, dev)
     one_token_check(rng, jnp.bfloat16, layout, mode, 37, 48, 4, dev)
     one_token_check(rng, jnp.bfloat16, layout, mode, 65537, 8, 4, dev)
+    one_token_check(rng, jnp.bfloat16, layout, mode, 300, 4096, 4, dev)
+    walk = rng.permutation(5000)
+    walk[::7] = -1
+    one_token_check(rng, jnp.bfloat16, layout, mode, 5000, 48, 4, dev, pool=5000, indices=walk)
 
 
 @pytest.mark.parametrize("dev", DEVICES)
