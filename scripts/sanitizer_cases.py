@@ -60,6 +60,10 @@ UPDATE_CASES = [
     (3, 24, 12, "BLD", jnp.bfloat16, False, 0),  # generic kernel: width past the compiled ones
     (37, 48, 4, "BLD", jnp.bfloat16, False, 0),  # grid: threads past the vectors and the tiles
     (5, 4096, 4, "BDL", jnp.bfloat16, False, 0),  # grid: staged, two blocks along x, three along y
+    # more rows than one wave of blocks holds: threads walk several rows, two in flight
+    (600, 4096, 4, "BDL", jnp.bfloat16, False, 0),    # staged, no pool (the direct kernel)
+    (600, 4096, 4, "BDL", jnp.bfloat16, False, 700),  # staged through the pool lookup
+    (600, 4096, 4, "BLD", jnp.bfloat16, True, 700),   # channel-last ring through the pool
 ]
 
 
