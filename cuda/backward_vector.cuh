@@ -317,7 +317,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
     const int64_t lane_at = item.row * p.length + lane * V;
     const int64_t lane_end = loaded_end - lane * V;
     float w[K][1], bias[1];
-    load_param_rows<T>(p, [&](int) { return item.param_row; }, w, bias);
+    load_param_row<T>(p, item.param_row, w, bias);
     const int32_t* segment_row = kMasked ? p.seq_idx + item.b * p.length : nullptr;
     ChannelFirstCarry<K> carry;
     carry.load(static_cast<const T*>(p.x) + item.row * p.length,

@@ -47,6 +47,13 @@ __device__ __forceinline__ void load_param_rows(const ConvParams& p, const RowOf
   });
 }
 
+// The K weights and the bias of one params row (a channel-first item's or lane's) as column 0.
+template <typename T, int K>
+__device__ __forceinline__ void load_param_row(const ConvParams& p, int64_t row,
+                                               float (&w)[K][1], float (&bias)[1]) {
+  load_param_rows<T>(p, [&](int) { return row; }, w, bias);
+}
+
 // The K weights and the bias of channels d0 .. d0 + C - 1 for batch row b.
 template <typename T, int K, int C>
 __device__ __forceinline__ void load_weights(const Conv<T, float, K>& conv, int64_t b, int64_t d0,
@@ -622,8 +629,7 @@ __device__ __forceinline__ void load_row_weights(const Conv<T, float, K>& conv, 
                                                  int64_t d, int64_t batch_per_group,
                                                  float (&w)[K][1], float (&bias)[1]) {
   const ConvParams& p = conv.p;
-  const int64_t row = (p.groups == 1 ? 0 : b / batch_per_group) * p.channels + d;
-  load_param_rows<T>(p, [&](int) { return row; }, w, bias);
+  load_param_row<T>(p, (p.groups == 1 ? 0 : b / batch_per_group) * p.channels + d, w, bias);
 }
 
 // Where a short-row lane stands: lane g of its group of `group` lanes (short_row_group) holds

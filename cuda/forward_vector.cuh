@@ -201,7 +201,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
     const int64_t lane_end = item.c1 - lane * V;
     const int32_t* segment_row = kMasked ? p.seq_idx + item.b * p.length : nullptr;
     float w[K][1], bias[1];
-    load_param_rows<T>(p, [&](int) { return item.param_row; }, w, bias);
+    load_param_row<T>(p, item.param_row, w, bias);
     ChannelFirstCarry<K> carry;
     carry.load(x + item.row * p.length,
                p.initial_state == nullptr
