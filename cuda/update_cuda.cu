@@ -292,14 +292,17 @@ int64_t update_blocks(int64_t threads) {
 }
 
 // The one-token kernel's blocks resident at once on the current device (one wave), as its
-// launch bounds promise. Not the occupancy calculator: the launch may be captured into a CUDA
-// graph, where loading a module to query it is not a safe call; and a kernel with room for more
-// blocks only has its threads walk more rows.
+// launch bounds promise, or 0 if the runtime cannot say. Not the occupancy calculator: the launch
+// may be captured into a CUDA graph, where loading a module to query it is not a safe call; and a
+// kernel with room for more blocks only has its threads walk more rows.
 int64_t token_wave_blocks() {
-  int device = 0, sms = 1;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  return std::max<int64_t>(1, int64_t{sms} * kTokenBlocksPerSm);
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    cudaGetLastError();  // a failed query must not surface as the launch's error
+    return 0;
+  }
+  return int64_t{sms} * kTokenBlocksPerSm;
 }
 
 template <typename T, typename A, int K, int V, bool kInterleaved, bool kStaged, bool kDirect>
@@ -313,11 +316,12 @@ void launch_token(cudaStream_t stream, const UpdateParams& p) {
   const dim3 block(across, kUpdateThreads / across);
   const int64_t x_blocks = (vectors + block.x - 1) / block.x;
   const int64_t row_blocks = (group_rows + block.y - 1) / block.y;
+  // Walking rows, one wave of blocks; without a wave (one row a thread, or the device count
+  // unknown), every row at once.
+  const int64_t wave = token_ahead<T, A, K, V>() ? token_wave_blocks() : 0;
   const int64_t y_blocks =
-      token_ahead<T, A, K, V>()
-          ? std::min(row_blocks,
-                     std::max<int64_t>(1, token_wave_blocks() / (x_blocks * p.groups)))
-          : row_blocks;
+      wave > 0 ? std::min(row_blocks, std::max<int64_t>(1, wave / (x_blocks * p.groups)))
+               : row_blocks;
   const dim3 grid(static_cast<uint32_t>(x_blocks), static_cast<uint32_t>(y_blocks),
                   static_cast<uint32_t>(p.groups));
   update_token_kernel<T, A, K, V, kInterleaved, kStaged, kDirect><<<grid, block, 0, stream>>>(p, g);
