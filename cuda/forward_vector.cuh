@@ -185,8 +185,8 @@ constexpr int channel_first_forward_turn() {
 
 // Whether the channel-first forward writes the final state itself, from its last segment (the
 // launch then needs no final-state kernel): with seq_idx, but for f16 and f32 K = 3 and 5, where
-// that code cost a block per SM (f16 72 -> 77 and 80 -> 92 registers, f32 64 -> 67 and 72 -> 74;
-// the others took 0-4 registers more within their blocks). In the unmasked kernels (with their
+// that code cost a block per SM (with load_segment_window: f16 72 -> 77 and 80 -> 92 registers,
+// f32 64 -> 67 and 72 -> 74; the others took 0-4 registers more within their blocks). In the unmasked kernels (with their
 // last turn's segments in the tail) it spilled 12-180 bytes at bf16 K = 2, 16-bit K = 5-6 and f32
 // K = 5, or took up to 16 registers more.
 template <typename T, int K, bool kMasked>
@@ -269,7 +269,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
         channel_first_outputs<false>(w, bias[0], xs, nullptr, silu, out);
       } else {
         int32_t segments[P + V];
-        load_segment_window<V, P, 0>(segment_row, s + lane * V, p.length, segments);
+        load_forward_segment_window<V, P>(segment_row, s + lane * V, p.length, segments);
         if (ends_row) store_final_state<true, K, V>(state_row, xs, segments);
         channel_first_outputs<true>(w, bias[0], xs, segments, silu, out);
       }
