@@ -321,8 +321,9 @@ inline int64_t forward_time_chunk(int64_t columns, int64_t length, int64_t resid
   return chunk;
 }
 
+// Returns whether the kernel wrote the final state (channel_first_forward_final_state).
 template <typename T, int K, bool kMasked>
-void launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
+bool launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
   if (p.channel_last) {
     constexpr int C = channels_per_thread<T, K, kForwardBudget>();
     constexpr auto kernel = forward_channel_last_kernel<T, K, kMasked>;
@@ -332,17 +333,20 @@ void launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
     const int64_t threads = columns * ((p.length + time_chunk - 1) / time_chunk);
     const int64_t blocks = std::min(kMaxGridBlocks, (threads + kForwardThreads - 1) / kForwardThreads);
     kernel<<<blocks, kForwardThreads, 0, stream>>>(p, time_chunk);
-  } else if (const int group = short_row_group(p.length, kPack<T>); group > 0) {
+    return false;
+  }
+  if (const int group = short_row_group(p.length, kPack<T>); group > 0) {
     constexpr auto kernel = forward_short_rows_kernel<T, K>;
     kernel<<<short_row_blocks<kernel>(p, group), kThreads, 0, stream>>>(p, group);
-  } else {
-    constexpr auto kernel = forward_channel_first_kernel<T, K, kMasked>;
-    const int64_t chunk_len = channel_first_chunk_for<kernel, T, kMasked>(
-        p, forward_item_segments<kMasked>());
-    const ChannelFirstSplit split(p, chunk_len, channels_per_item<kMasked>());
-    const int64_t items = channel_first_items<kMasked>(p, split.chunks.d);
-    kernel<<<grid_for_warps(items), kChannelFirstThreads, 0, stream>>>(p, split);
+    return false;
   }
+  constexpr auto kernel = forward_channel_first_kernel<T, K, kMasked>;
+  const int64_t chunk_len =
+      channel_first_chunk_for<kernel, T, kMasked>(p, forward_item_segments<kMasked>());
+  const ChannelFirstSplit split(p, chunk_len, channels_per_item<kMasked>());
+  const int64_t items = channel_first_items<kMasked>(p, split.chunks.d);
+  kernel<<<grid_for_warps(items), kChannelFirstThreads, 0, stream>>>(p, split);
+  return channel_first_forward_final_state<T, K, kMasked>();
 }
 
 // Launches dx, dS and the dw/db partials; returns the partial slices per batch row.
@@ -375,18 +379,16 @@ int64_t launch_vector_backward(cudaStream_t stream, const ConvParams& p, float* 
   return split.chunks.d;
 }
 
-// y: the vectorized kernels where they apply, else one thread per element.
+// y: the vectorized kernels where they apply, else one thread per element. final_state_done: set
+// where the kernel also wrote the final state.
 template <typename T, typename A, int kWidth>
-ffi::Error launch_output(cudaStream_t stream, const ConvParams& p) {
+ffi::Error launch_output(cudaStream_t stream, const ConvParams& p, bool& final_state_done) {
   const int64_t points = p.batch * p.length * p.channels;
   if (points == 0) return ffi::Error::Success();
   if constexpr (std::is_same_v<A, float> && kWidth > 0) {
     if (vector_applies<T, kWidth>(p, false)) {
-      if (p.seq_idx != nullptr) {
-        launch_vector_forward<T, kWidth, true>(stream, p);
-      } else {
-        launch_vector_forward<T, kWidth, false>(stream, p);
-      }
+      final_state_done = p.seq_idx != nullptr ? launch_vector_forward<T, kWidth, true>(stream, p)
+                                              : launch_vector_forward<T, kWidth, false>(stream, p);
       return cuda_status("vectorized forward kernel");
     }
   }
@@ -396,9 +398,10 @@ ffi::Error launch_output(cudaStream_t stream, const ConvParams& p) {
 
 template <typename T, typename A, int kWidth>
 ffi::Error launch_forward(cudaStream_t stream, const ConvParams& p) {
-  if (auto err = launch_output<T, A, kWidth>(stream, p); err.failure()) return err;
+  bool final_state_done = false;
+  if (auto err = launch_output<T, A, kWidth>(stream, p, final_state_done); err.failure()) return err;
   const int64_t state_points = p.batch * (p.width - 1) * p.channels;
-  if (p.final_state != nullptr && state_points > 0) {
+  if (p.final_state != nullptr && state_points > 0 && !final_state_done) {
     final_state_kernel<T, A, 0><<<grid_for(state_points), kThreads, 0, stream>>>(p);
     return cuda_status("final state kernel");
   }

@@ -120,6 +120,19 @@ __device__ __forceinline__ void channel_first_outputs(const float (&w)[K][1], fl
   }
 }
 
+// The final state of a channel-first row from the lane whose pack ends it (xs as in
+// channel_first_outputs, xs[V + j] = x_{L-P+j}): with kSelect only the values in the segment of
+// the row's last time (segments: the entries of xs), as Conv::final_state. state_row: the row's P.
+template <bool kSelect, int K, int V, typename T>
+__device__ __forceinline__ void store_final_state(T* state_row, const float (&xs)[K - 1 + V],
+                                                  const int32_t* segments) {
+  constexpr int P = K - 1;
+  for (int j = 0; j < P; ++j) {
+    const bool kept = !kSelect || same_segment(segments[P + V - 1], segments[V + j]);
+    state_row[j] = from_acc<T>(kept ? xs[V + j] : 0.0f);
+  }
+}
+
 // Segments whose packs a channel-first lane has in flight: with one, a warp waited for every load.
 constexpr int kForwardAhead = 3;
 
@@ -170,6 +183,17 @@ constexpr int channel_first_forward_turn() {
   return K <= 4 ? kForwardAhead : 1;
 }
 
+// Whether the channel-first forward writes the final state itself, from its last segment (the
+// launch then needs no final-state kernel): with seq_idx, but for f16 and f32 K = 3 and 5, where
+// that code cost a block per SM (with load_segment_window: f16 72 -> 77 and 80 -> 92 registers,
+// f32 64 -> 67 and 72 -> 74; the others took 0-4 registers more within their blocks). In the unmasked kernels (with their
+// last turn's segments in the tail) it spilled 12-180 bytes at bf16 K = 2, 16-bit K = 5-6 and f32
+// K = 5, or took up to 16 registers more.
+template <typename T, int K, bool kMasked>
+constexpr bool channel_first_forward_final_state() {
+  return kMasked && ((K != 3 && K != 5) || std::is_same_v<T, __nv_bfloat16>);
+}
+
 // (B, D, L), L a multiple of the pack V: a warp streams chunk_len times of one (b, d) row, lane l
 // owning V consecutive times of each 32 V-time segment; the K-1 inputs before a lane's pack come
 // from its lower neighbours by shuffle. The next kForwardAhead segments' packs are in flight.
@@ -188,6 +212,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
   constexpr int P = K - 1;
   constexpr int64_t kSegment = kLanes * V;
   constexpr int kTurn = channel_first_forward_turn<T, K, kMasked>();
+  constexpr bool kFinalState = channel_first_forward_final_state<T, K, kMasked>();
   const int lane = threadIdx.x % kLanes;
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
@@ -219,9 +244,13 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
     uint32_t uniform = masks.before;  // bit 0: the next segment's
     // Segment s from its slot, which then receives the pack of segment s + kForwardAhead kSegment
     // where that is the item's (else it keeps a pack that only lanes whose outputs are not stored
-    // read). whole (std::true_type): every lane's pack of s is the item's.
+    // read). whole (std::true_type): every lane's pack of s is the item's. With kFinalState the
+    // others (then the item's last segment) also write the final state, in the lane whose pack
+    // ends the row.
     const auto segment = [&](int64_t s, RawFor<T, V>& slot, auto whole) {
       constexpr bool kWhole = decltype(whole)::value;
+      const bool ends_row =
+          kFinalState && !kWhole && p.final_state != nullptr && s + (lane + 1) * V == p.length;
       const bool masked = kMasked && !(uniform & 1u);
       uniform >>= 1;
       float own[V];
@@ -233,17 +262,22 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
       float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}, t0 = s + lane V
       carry.advance(own, lane, xs);
       float out[V];
+      // The final state before the outputs, whose registers are not live yet.
+      T* const state_row = static_cast<T*>(p.final_state) + item.row * P;
       if (!masked) {
+        if (ends_row) store_final_state<false, K, V>(state_row, xs, nullptr);
         channel_first_outputs<false>(w, bias[0], xs, nullptr, silu, out);
       } else {
         int32_t segments[P + V];
-        load_segment_window<V, P, 0>(segment_row, s + lane * V, p.length, segments);
+        load_forward_segment_window<V, P>(segment_row, s + lane * V, p.length, segments);
+        if (ends_row) store_final_state<true, K, V>(state_row, xs, segments);
         channel_first_outputs<true>(w, bias[0], xs, segments, silu, out);
       }
       if (kWhole || s < lane_end) store_vec(y + lane_at + s, narrow<T, V>(out));
     };
     int64_t s = item.c0;
-    for (; s + kTurn * kSegment <= item.c1; s += kTurn * kSegment) {
+    const int64_t steady_end = kFinalState ? item.c1 - 1 : item.c1;  // last segment: the tail's
+    for (; s + kTurn * kSegment <= steady_end; s += kTurn * kSegment) {
 #pragma unroll
       for (int a = 0; a < kTurn; ++a) segment(s + a * kSegment, ahead[a], std::true_type{});
       if constexpr (kTurn < kForwardAhead) {
