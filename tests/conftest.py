@@ -47,7 +47,8 @@ def gpu_devices():
         return []
 
 
-# Every kernel test runs on the CPU; with the `gpu` marker it also runs on the first GPU.
+# Kernel tests run on the CPU and, with the `gpu` marker, on the first GPU (GPU below: the GPU
+# alone).
 DEVICES = [
     pytest.param("cpu", id="cpu"),
     pytest.param(
@@ -55,6 +56,12 @@ DEVICES = [
         marks=[pytest.mark.gpu, pytest.mark.skipif(not gpu_devices(), reason="no GPU")],
     ),
 ]
+
+
+# The GPU case alone, for tests too large for the CPU run or whose shapes only choose among the
+# CUDA kernels' variants (the decode step's grids, channel vectors and staging), which the CPU
+# kernels do not have: the other tests' CPU cases cover those.
+GPU = [p for p in DEVICES if p.id == "gpu"]
 
 
 def device(name: str):

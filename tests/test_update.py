@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import DEVICES, DTYPES, assert_close, device, to_f64
+from conftest import DEVICES, DTYPES, GPU, assert_close, device, to_f64
 
 import jax_causal_conv as jcc
 from jax_causal_conv import reference
@@ -120,7 +120,7 @@ def one_token_check(rng, dtype, layout, mode, B, D, K, dev, pool=None, indices=N
 # The GPU's one-token kernel takes a vector of channels (16 bytes of x) in several batch rows per
 # thread where the channels tile the vectors, and one channel otherwise: D = 16 is whole vectors in
 # every dtype, D = 12 only for 32- and 64-bit x, D = 5 for none. B = 7 is a multiple of no row count.
-@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("dev", GPU)
 @pytest.mark.parametrize("channels", [16, 12, 5])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mode", MODES)
@@ -132,7 +132,7 @@ def test_one_token_vectors(dtype, mode, layout, channels, dev):
     one_token_check(rng, dtype, layout, mode, 7, channels, 4, dev, pool=9, indices=[3, -1, 0, 8, 9, 5, 1])
 
 
-@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("dev", GPU)
 @pytest.mark.parametrize("width", range(2, 9))
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -145,7 +145,7 @@ def test_one_token_widths(dtype, layout, width, dev):
 # Channel-first, where the channel vectors are a multiple of 32, the GPU's one-token kernel stages
 # each warp's state through shared memory: D = 512 is 32 to 256 vectors in every dtype, B = 7 leaves
 # a row tile short, and the pool has padding rows.
-@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("dev", GPU)
 @pytest.mark.parametrize("width", range(2, 9))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_one_token_staged(dtype, width, dev):
@@ -157,7 +157,7 @@ def test_one_token_staged(dtype, width, dev):
 # The GPU's one-token kernel compiles the step with silu and without; this takes the path without
 # in each of its variants: channel vectors (staged channel-first in shift mode: D = 512), and one
 # channel a thread (D = 5).
-@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("dev", GPU)
 @pytest.mark.parametrize("channels", [512, 5])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mode", MODES)
@@ -180,7 +180,7 @@ def test_one_token_without_activation(dtype, mode, layout, channels, dev):
 # blocks of 8 rows) are more than two waves' rows: threads walk two or three rows, the next one's
 # loads in flight; the pool indices, with padding rows, take the walk through the row lookup.
 # Beyond 65535 rows a weight group the generic kernel takes the step.
-@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("dev", GPU)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mode", MODES)
 def test_one_token_grid(mode, layout, dev):

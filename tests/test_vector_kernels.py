@@ -19,12 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import DEVICES
+from conftest import DEVICES, GPU
 from test_backward import compare, inputs, packed_seq_idx
 
 HALF_AND_FLOAT = [jnp.float32, jnp.float16, jnp.bfloat16]
 SHAPES = {"BLD": dict(batch=2, length=300, channels=64), "BDL": dict(batch=2, length=1000, channels=4)}
-GPU = [p for p in DEVICES if p.id == "gpu"]
 
 
 def seq_idx_for(batch: int, length: int) -> np.ndarray:
