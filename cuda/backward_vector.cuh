@@ -210,19 +210,6 @@ __device__ __forceinline__ void channel_first_deltas(const float (&w)[K][1], flo
 // register queue of them cost a move per word per segment: 34 of the loop's 285 instructions).
 constexpr int kBackwardAhead = 2;
 
-// With P <= V the halo after a pack costs one shuffle per value (as ChannelFirstCarry::advance's
-// before it): rotate_halo_after takes the P values after a lane's pack from lane l + 1, lane 0
-// sending the next segment's first values to lane 31. Every lane must call it. halo_after (any P)
-// took two shuffles per value and a select.
-template <int P, int V>
-__device__ __forceinline__ void rotate_halo_after(const float (&own)[V], const float (&next)[V],
-                                                  int lane, float (&out)[P]) {
-  static_assert(P <= V, "the P values after a pack are lane l + 1's");
-  for (int m = 0; m < P; ++m) {
-    out[m] = __shfl_sync(kFullWarp, lane == 0 ? next[m] : own[m], (lane + 1) % kLanes);
-  }
-}
-
 // delta of one channel-first segment, V times per lane.
 template <int V>
 struct SegmentDelta {
@@ -297,7 +284,6 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
   constexpr int V = kPack<T>;
   constexpr int P = K - 1;
   constexpr int64_t kSegment = kLanes * V;
-  constexpr bool kRotate = P <= V;
   using Word = RawFor<T, V>;
   const Conv<T, float, K> conv{p};
   const int lane = threadIdx.x % kLanes;
@@ -404,11 +390,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
       uniform.after >>= 1;
       const int64_t t0 = s + lane * V;
       float after[P];
-      if constexpr (kRotate) {
-        rotate_halo_after<P, V>(current.delta, next.delta, lane, after);
-      } else {
-        halo_after<P, V>(current.delta, next.delta, lane, after);
-      }
+      halo_after<P, V>(current.delta, next.delta, lane, after);
       float g[V];
       // select: std::true_type for seq_idx's masks, segments[j] the entry of x_{t0+j}. Without
       // them the taps of outputs past the row are skipped, as the entries (-1) skip them.

@@ -558,17 +558,25 @@ __device__ UniformSegments uniform_segments(const int32_t* row, int64_t s, int c
 }
 
 // out[m] = the value at time s + (l + 1) V + m: from higher lanes of this segment (own) or, past
-// lane 31, from the first lanes of the next one (next).
+// lane 31, from the first lanes of the next one (next). Every lane must call it. With P <= V (as
+// ChannelFirstCarry::advance before a pack) one shuffle per value: lane l + 1's, lane 0 sending
+// the next segment's first values to lane 31; the general form takes two and a select.
 template <int P, int V, typename U>
 __device__ __forceinline__ void halo_after(const U (&own)[V], const U (&next)[V], int lane,
                                            U (&out)[P]) {
+  if constexpr (P <= V) {
+    for (int m = 0; m < P; ++m) {
+      out[m] = __shfl_sync(kFullWarp, lane == 0 ? next[m] : own[m], (lane + 1) % kLanes);
+    }
+  } else {
 #pragma unroll
-  for (int m = 0; m < P; ++m) {
-    const int ahead = 1 + m / V;
-    const int source = (lane + ahead) % kLanes;
-    const U from_own = __shfl_sync(kFullWarp, own[m % V], source);
-    const U from_next = __shfl_sync(kFullWarp, next[m % V], source);
-    out[m] = lane + ahead < kLanes ? from_own : from_next;
+    for (int m = 0; m < P; ++m) {
+      const int ahead = 1 + m / V;
+      const int source = (lane + ahead) % kLanes;
+      const U from_own = __shfl_sync(kFullWarp, own[m % V], source);
+      const U from_next = __shfl_sync(kFullWarp, next[m % V], source);
+      out[m] = lane + ahead < kLanes ? from_own : from_next;
+    }
   }
 }
 
