@@ -47,6 +47,7 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
   __shared__ Row dy_slots[kDepth * kBackwardThreads];
   const RowRing<kDepth, Row, kBackwardThreads> x_ring{x_slots}, dy_ring{dy_slots};
   const Conv<T, float, K> conv{p};
+  allow_dependent_grid();  // the reduction's blocks may wait on the SMs (see launch_dependent)
   const int64_t packs = p.channels / C;
   const int64_t total = p.batch * tiles * packs;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
@@ -290,6 +291,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
   __shared__ Word x_slots[kBackwardAhead * kChannelFirstThreads],
       dy_slots[kBackwardAhead * kChannelFirstThreads];
   const RowRing<kBackwardAhead, Word, kChannelFirstThreads> x_ring{x_slots}, dy_ring{dy_slots};
+  allow_dependent_grid();  // the reduction's blocks may wait on the SMs (see launch_dependent)
   // The item's channel `item` (times [c0, c1)). Bit 0 of uniform.before: whether the next segment
   // that segment_delta takes is uniform for its deltas; of uniform.after, whether the next segment
   // that segment_dx takes is for its dx. They take the segments below loaded_end and c1: the

@@ -147,6 +147,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t column_blocks = (per_group + kColumns - 1) / kColumns;
   const int column = threadIdx.x % kColumns, lane = threadIdx.x / kColumns;
   const int64_t count = rows_per_group * slices;
+  wait_for_prior_grid();  // the kernel that wrote the partials (launch_dependent)
   for (int64_t block = blockIdx.x; block < groups * column_blocks; block += gridDim.x) {
     const int64_t g = block / column_blocks;
     const int64_t j = (block % column_blocks) * kColumns + column;
@@ -198,11 +199,11 @@ int64_t reduce_blocks(const ConvParams& p, int columns) {
 template <typename T, typename A, int kColumns, int kSums>
 void launch_reduce(cudaStream_t stream, const ConvParams& p, const A* partials, int64_t slices,
                    void* dweight, void* dbias) {
-  const int64_t blocks = std::min(kMaxGridBlocks, reduce_blocks(p, kColumns));
-  reduce_partials_kernel<T, A, kColumns, kSums>
-      <<<std::max<int64_t>(blocks, 1), kThreads, 0, stream>>>(
-          partials, p.groups, p.batch / p.groups, slices, p.channels, p.width, p.params_like_x,
-          dweight, dbias);
+  const int64_t blocks = std::max<int64_t>(1, std::min(kMaxGridBlocks, reduce_blocks(p, kColumns)));
+  launch_dependent(reduce_partials_kernel<T, A, kColumns, kSums>,
+                   dim3(static_cast<unsigned>(blocks)), dim3(kThreads), stream, partials, p.groups,
+                   p.batch / p.groups, slices, p.channels, p.width, p.params_like_x, dweight,
+                   dbias);
 }
 
 // Whether the vectorized kernels apply: a compile-time width, float or half x, packs that tile
@@ -234,16 +235,14 @@ template <auto kKernel>
 int64_t resident_threads(int block_threads) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int64_t> cached[kMaxDevices] = {};
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
-    cudaGetLastError();  // a failed query must not surface as the launch's error
-    return 0;
-  }
+  const int device = current_device();
+  if (device < 0 || device >= kMaxDevices) return 0;
   if (const int64_t known = cached[device].load(std::memory_order_relaxed); known > 0) return known;
-  int sms = 0, blocks = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, block_threads, 0) != cudaSuccess) {
-    cudaGetLastError();
+  const int sms = device_attribute(device, cudaDevAttrMultiProcessorCount);
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, block_threads, 0) !=
+      cudaSuccess) {
+    cudaGetLastError();  // a failed query must not surface as the launch's error
     return 0;
   }
   const int64_t resident = int64_t{sms} * blocks * block_threads;
@@ -251,30 +250,25 @@ int64_t resident_threads(int block_threads) {
   return resident;
 }
 
-// Time steps per thread for the channel-last backward, whose threads each stream one column (batch
-// row, channel pack) over a tile of the time axis. A partial last wave of threads leaves SMs idle
-// (the main workload in 128-step tiles ran 1.9 waves, 131.5 us; in one wave of 256-step tiles,
-// 129.0 us in another run), so this sizes the tiles to fill whole waves of resident threads: of
-// the splits into 1 to 4 full waves (or whole columns, when there are more columns than resident
-// threads), the one with the least waves x (steps + prologue_steps), the prologue being a
-// thread's weights, halo rows and first wait.
+// Time steps per thread (a tile) for the channel-last backward, whose threads each stream one
+// column (batch row, channel pack) over a tile of the time axis: the longest tiles (at least
+// min_steps; the launch passes kTileLen, as the workspace holds tile_count(L) slices a row) that
+// still make kBackwardMinThreads threads, or `resident` where the device holds fewer. Each tile
+// adds a slice of dw/db partials (written, then read by the reduction) and a prologue, and more
+// threads than that did not move the bytes faster. On the H200, main workload (bf16 B=8 L=2048
+// D=4096 K=4, 8192 columns; kernel + reduction, us): 256-step tiles (65536 threads, about one
+// wave) 116.4-117.2, 384 122.8, 512 (32768 threads) 113.1-113.4, 1024 139.5, 2048 243; D=8192:
+// 512 217.2, 1024 (32768 threads) 215.2, 2048 268.8; B=1 L=65536: 1024 421, 2048 (32768
+// threads) 414.8, 4096 527.5 (benchmarks/RESULTS.md, fifteenth session).
+constexpr int64_t kBackwardMinThreads = 32768;
 inline int64_t steps_per_thread(int64_t columns, int64_t length, int64_t resident,
-                                int64_t min_steps, int64_t prologue_steps) {
+                                int64_t min_steps) {
   constexpr int64_t kMaxSteps = int64_t{1} << 24;  // the kernels count steps in an int
-  const auto clamp = [&](int64_t steps) { return std::min(kMaxSteps, std::max(min_steps, steps)); };
-  if (resident <= 0) return clamp(64);
-  int64_t best_steps = clamp(length), best_cost = -1;
-  for (int64_t waves = 0; waves <= 4; ++waves) {
-    const int64_t pieces = std::max<int64_t>(1, waves * resident / std::max<int64_t>(columns, 1));
-    const int64_t steps = clamp((length + pieces - 1) / pieces);
-    const int64_t threads = columns * ((length + steps - 1) / steps);
-    const int64_t cost = waves_cost(threads, resident, steps, prologue_steps);
-    if (best_cost < 0 || cost < best_cost) {
-      best_cost = cost;
-      best_steps = steps;
-    }
-  }
-  return best_steps;
+  const int64_t threads =
+      resident > 0 ? std::min(kBackwardMinThreads, resident) : kBackwardMinThreads;
+  const int64_t per_piece = std::max<int64_t>(columns, 1);
+  const int64_t pieces = std::max<int64_t>(1, (threads + per_piece - 1) / per_piece);
+  return std::min(kMaxSteps, std::max(min_steps, (length + pieces - 1) / pieces));
 }
 
 // Blocks for a channel-first short-row kernel (rows of at most 32 packs, group lanes each): a
@@ -298,9 +292,6 @@ int64_t channel_first_chunk_for(const ConvParams& p, int64_t max_segments) {
                              resident_threads<kKernel>(kChannelFirstThreads) / kLanes, max_segments);
 }
 
-// A thread's prologue as a cost in steps. The backward's tiles are at least kTileLen long: its
-// workspace holds tile_count(L) slices of dw/db sums per row.
-constexpr int64_t kPrologueSteps = 16;
 // Time steps per channel-last forward thread: 64 (fewer prologues: weights, halo rows, the ring's
 // first wait; 64 against 32 took the main workload from 104 to 85 us; pieces sized to one wave,
 // 171 steps, were slower: 90.6 against 82.6 us), halved down to 8 while that leaves fewer than
@@ -357,8 +348,7 @@ int64_t launch_vector_backward(cudaStream_t stream, const ConvParams& p, float* 
     constexpr auto kernel = backward_channel_last_kernel<T, K, kMasked>;
     const int64_t columns = p.batch * (p.channels / C);
     const int64_t tile_len =
-        steps_per_thread(columns, p.length, resident_threads<kernel>(kBackwardThreads), kTileLen,
-                         kPrologueSteps + K - 1);
+        steps_per_thread(columns, p.length, resident_threads<kernel>(kBackwardThreads), kTileLen);
     const int64_t tiles = (p.length + tile_len - 1) / tile_len;
     const int64_t threads = columns * tiles;
     const int64_t blocks = std::min(kMaxGridBlocks, (threads + kBackwardThreads - 1) / kBackwardThreads);

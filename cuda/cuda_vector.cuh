@@ -10,6 +10,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "ffi_common.h"
 
@@ -22,6 +23,65 @@ inline ffi::Error cuda_status(const char* where) {
   if (err == cudaSuccess) return ffi::Error::Success();
   return ffi::Error::Internal(std::string("jax_causal_conv: ") + where + ": " +
                               cudaGetErrorString(err));
+}
+
+// The current device, or -1 where the runtime cannot say. A failed query's error is cleared here
+// (as in device_attribute), so that it does not surface as the next launch's.
+inline int current_device() {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  return device;
+}
+
+// An attribute of `device` (current_device's), or 0 where the runtime cannot say.
+inline int device_attribute(int device, cudaDeviceAttr attribute) {
+  int value = 0;
+  if (device < 0 || cudaDeviceGetAttribute(&value, attribute, device) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return value;
+}
+
+// Programmatic dependent launch (compute capability 9.0 and later): a grid launched by
+// launch_dependent may start once every block of the grid before it in the stream has begun or
+// called allow_dependent_grid, and holds in wait_for_prior_grid until that grid has finished and
+// its writes are visible. So the launch and the first blocks' start overlap the end of the grid
+// before, instead of following it.
+__device__ __forceinline__ void allow_dependent_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// kernel<<<grid, block, 0, stream>>>(args...), as a dependent launch where the device has them. A
+// failed launch leaves its error for cuda_status, as <<<>>> does.
+template <typename... Params, typename... Args>
+void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
+                      Args&&... args) {
+  if (device_attribute(current_device(), cudaDevAttrComputeCapabilityMajor) < 9) {
+    kernel<<<grid, block, 0, stream>>>(std::forward<Args>(args)...);
+    return;
+  }
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
 // A warp's lanes, and the mask of all of them for the *_sync intrinsics.

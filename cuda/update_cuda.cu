@@ -297,13 +297,8 @@ int64_t update_blocks(int64_t threads) {
 // may be captured into a CUDA graph, where loading a module to query it is not a safe call; and a
 // kernel with room for more blocks only has its threads walk more rows.
 int64_t token_wave_blocks() {
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    cudaGetLastError();  // a failed query must not surface as the launch's error
-    return 0;
-  }
-  return int64_t{sms} * kTokenBlocksPerSm;
+  return int64_t{device_attribute(current_device(), cudaDevAttrMultiProcessorCount)} *
+         kTokenBlocksPerSm;
 }
 
 template <typename T, typename A, int K, int V, bool kInterleaved, bool kStaged, bool kDirect>
