@@ -123,9 +123,9 @@ def test_segment_boundaries(dev, width, channels, state):
         compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BLD", final="random")
 
 
-# Forward pieces of 64 steps and backward tiles longer than 64 (about 125 steps on an H200),
-# with random segments of 1 to 300 steps and padding runs, so that boundaries fall at every
-# offset within pieces, tiles and checks.
+# Forward pieces of 64 steps and backward tiles longer than 64 (256 steps: 256 columns cut into
+# the 128 pieces a row that make the launch's 32768 threads), with random segments of 1 to 300
+# steps and padding runs, so that boundaries fall at every offset within pieces, tiles and checks.
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("dev", GPU)
 def test_segment_boundaries_long_rows(dev, dtype):
