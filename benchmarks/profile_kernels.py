@@ -11,7 +11,10 @@ With --trace N, without ncu: N calls of each op (and of the same-bytes copy benc
 against) under `jax.profiler.trace`, then each kernel's median device time from the trace, one
 line per kernel and op. ncu takes minutes to start a JAX program; the trace takes seconds, and
 says how an op's time splits between its kernels (the backward's second one, the dw/db
-reduction, included) and how much of a loop-timed op is kernel time:
+reduction, included) and how much of a loop-timed op is kernel time. On Hopper the reduction is
+a programmatic dependent launch, placed while the backward kernel runs: its trace duration then
+includes that wait, so the sum over the backward's kernels counts most of the backward twice;
+read the backward kernel's own line there:
 
     python3 benchmarks/profile_kernels.py --shape 8,2048,256 --trace 50
 
