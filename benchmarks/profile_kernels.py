@@ -13,8 +13,8 @@ line per kernel and op. ncu takes minutes to start a JAX program; the trace take
 says how an op's time splits between its kernels (the backward's second one, the dw/db
 reduction, included) and how much of a loop-timed op is kernel time. On Hopper the reduction is
 a programmatic dependent launch, placed while the backward kernel runs: its trace duration then
-includes that wait, so the sum over the backward's kernels counts most of the backward twice;
-read the backward kernel's own line there:
+includes that wait, so the sum over the backward's kernels counts most of the backward twice,
+and the span of a call (first kernel's start to last kernel's end) is the op's device time:
 
     python3 benchmarks/profile_kernels.py --shape 8,2048,256 --trace 50
 
@@ -59,9 +59,9 @@ def parse_shape(text: str) -> tuple[int, int, int]:
     return batch, length, channels
 
 
-def kernel_times(trace_dir: pathlib.Path) -> tuple[dict[str, list[float]], list[str]]:
-    """Device time (us) of each kernel launch in a perfetto trace, by kernel name, and the rows
-    (process / thread) the trace has.
+def kernel_events(trace_dir: pathlib.Path) -> tuple[list[dict], list[str]]:
+    """The kernel launches in a perfetto trace, in order of their start (each a dict of name, ts
+    and dur, the times in us), and the rows (process / thread) the trace has.
 
     Only the events on the GPU's stream rows count: the trace also holds host events and XLA's op
     rows, which would count each kernel twice.
@@ -76,14 +76,37 @@ def kernel_times(trace_dir: pathlib.Path) -> tuple[dict[str, list[float]], list[
             process[e["pid"]] = e["args"]["name"]
         elif e.get("ph") == "M" and e.get("name") == "thread_name":
             thread[e["pid"], e["tid"]] = e["args"]["name"]
-    times = collections.defaultdict(list)
+    kernels = []
     for e in events:
         on_gpu = "GPU" in process.get(e.get("pid"), "")
         on_stream = "Stream" in thread.get((e.get("pid"), e.get("tid")), "")
         if e.get("ph") == "X" and on_gpu and on_stream:
-            times[e["name"]].append(float(e["dur"]))
+            kernels.append({"name": e["name"], "ts": float(e["ts"]), "dur": float(e["dur"])})
     rows = sorted({f"{process.get(pid, pid)} / {name}" for (pid, _), name in thread.items()})
+    return sorted(kernels, key=lambda k: k["ts"]), rows
+
+
+def kernel_times(trace_dir: pathlib.Path) -> tuple[dict[str, list[float]], list[str]]:
+    """Device time (us) of each kernel launch in a perfetto trace, by kernel name, and the rows
+    (process / thread) the trace has (see kernel_events)."""
+    kernels, rows = kernel_events(trace_dir)
+    times = collections.defaultdict(list)
+    for k in kernels:
+        times[k["name"]].append(k["dur"])
     return times, rows
+
+
+def call_spans(kernels: list[dict], calls: int) -> list[float]:
+    """The device span of each of `calls` calls, from its first kernel's start to its last
+    kernel's end, the calls' kernels being kernel_events' launches taken in order, as many for
+    each call; empty where they do not split evenly. A kernel placed before the one before it
+    ends (a programmatic dependent launch, whose trace time includes its wait) counts once here,
+    where the sum of kernel times counts the overlap twice."""
+    if calls <= 0 or not kernels or len(kernels) % calls:
+        return []
+    per_call = len(kernels) // calls
+    groups = [kernels[i:i + per_call] for i in range(0, len(kernels), per_call)]
+    return [max(k["ts"] + k["dur"] for k in g) - g[0]["ts"] for g in groups]
 
 
 def short_name(name: str) -> str:
@@ -94,8 +117,9 @@ def short_name(name: str) -> str:
 
 
 def trace_ops(ops: dict, calls: int) -> None:
-    """Prints each op's kernels: launches per call and median device time; last, one line of
-    each op's total (the sum of its kernels' medians x launches per call), which
+    """Prints each op's kernels: launches per call and median device time; then the sum of its
+    kernels' medians x launches per call and the median device span of a call (call_spans); last,
+    one line of each op's span (its sum where the calls' kernels do not split evenly), which
     scripts/gpu_check.sh reads."""
     print(f"{'op':10} {'kernel':48} {'per call':>8} {'median us':>10}")
     totals = []
@@ -105,16 +129,23 @@ def trace_ops(ops: dict, calls: int) -> None:
             with jax.profiler.trace(tmp, create_perfetto_trace=True):
                 for _ in range(calls):
                     jax.block_until_ready(fn(*args))
-            times, rows = kernel_times(pathlib.Path(tmp))
-        if not times:
+            kernels, rows = kernel_events(pathlib.Path(tmp))
+        if not kernels:
             print(f"{label:10} no kernel events on a GPU stream row; the trace's rows: {rows[:12]}")
             continue
+        times = collections.defaultdict(list)
+        for k in kernels:
+            times[k["name"]].append(k["dur"])
         total = 0.0
         for name, durations in sorted(times.items(), key=lambda item: -sum(item[1])):
             median = statistics.median(durations)
             total += median * len(durations) / calls
             print(f"{label:10} {short_name(name):48} {len(durations) / calls:8.2f} {median:10.2f}")
         print(f"{label:10} {'(sum of medians x launches per call)':48} {'':8} {total:10.2f}")
+        spans = call_spans(kernels, calls)
+        if spans:
+            total = statistics.median(spans)
+            print(f"{label:10} {'(span of a call: first start to last end)':48} {'':8} {total:10.2f}")
         totals.append(f"{label} {total:.2f}")
     print("totals (us per call): " + (", ".join(totals) or "none"))
 

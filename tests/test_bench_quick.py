@@ -180,3 +180,23 @@ def test_profile_trace_parsing(tmp_path):
     assert times == {kernel: durations}
     assert "/device:GPU:0 / XLA Ops" in rows
     assert profile.short_name(kernel) == "reduce_partials_kernel"
+
+
+def test_profile_call_spans():
+    """A call's span runs from its first kernel's start to its last kernel's end, so a dependent
+    kernel placed while the one before it runs (its trace time holding the wait) counts once."""
+    path = BENCH.parent / "profile_kernels.py"
+    spec = importlib.util.spec_from_file_location("profile_kernels", path)
+    profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile)
+
+    def launch(name, ts, dur):
+        return {"name": name, "ts": ts, "dur": dur}
+
+    # two calls of a backward (10 us) and its reduction, placed 2 us in, ending 1.5 us after it
+    kernels = [launch("bwd", 0.0, 10.0), launch("reduce", 2.0, 9.5),
+               launch("bwd", 20.0, 10.0), launch("reduce", 21.0, 11.0)]
+    assert profile.call_spans(kernels, 2) == [11.5, 12.0]
+    assert profile.call_spans(kernels[:3], 2) == []  # the calls' kernels do not split evenly
+    assert profile.call_spans([launch("copy", 5.0, 3.0)], 1) == [3.0]
+    assert profile.call_spans([], 1) == []
