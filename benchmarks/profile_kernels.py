@@ -145,7 +145,8 @@ def trace_ops(ops: dict, calls: int) -> None:
         spans = call_spans(kernels, calls)
         if spans:
             total = statistics.median(spans)
-            print(f"{label:10} {'(span of a call: first start to last end)':48} {'':8} {total:10.2f}")
+            span_label = "(span of a call: first start to last end)"
+            print(f"{label:10} {span_label:48} {'':8} {total:10.2f}")
         totals.append(f"{label} {total:.2f}")
     print("totals (us per call): " + (", ".join(totals) or "none"))
 
