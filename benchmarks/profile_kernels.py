@@ -86,14 +86,19 @@ def kernel_events(trace_dir: pathlib.Path) -> tuple[list[dict], list[str]]:
     return sorted(kernels, key=lambda k: k["ts"]), rows
 
 
+def durations_by_name(kernels: list[dict]) -> dict[str, list[float]]:
+    """kernel_events' launches as each kernel name's device times (us), in launch order."""
+    times = collections.defaultdict(list)
+    for k in kernels:
+        times[k["name"]].append(k["dur"])
+    return times
+
+
 def kernel_times(trace_dir: pathlib.Path) -> tuple[dict[str, list[float]], list[str]]:
     """Device time (us) of each kernel launch in a perfetto trace, by kernel name, and the rows
     (process / thread) the trace has (see kernel_events)."""
     kernels, rows = kernel_events(trace_dir)
-    times = collections.defaultdict(list)
-    for k in kernels:
-        times[k["name"]].append(k["dur"])
-    return times, rows
+    return durations_by_name(kernels), rows
 
 
 def call_spans(kernels: list[dict], calls: int) -> list[float]:
@@ -133,11 +138,9 @@ def trace_ops(ops: dict, calls: int) -> None:
         if not kernels:
             print(f"{label:10} no kernel events on a GPU stream row; the trace's rows: {rows[:12]}")
             continue
-        times = collections.defaultdict(list)
-        for k in kernels:
-            times[k["name"]].append(k["dur"])
         total = 0.0
-        for name, durations in sorted(times.items(), key=lambda item: -sum(item[1])):
+        by_name = durations_by_name(kernels).items()
+        for name, durations in sorted(by_name, key=lambda item: -sum(item[1])):
             median = statistics.median(durations)
             total += median * len(durations) / calls
             print(f"{label:10} {short_name(name):48} {len(durations) / calls:8.2f} {median:10.2f}")

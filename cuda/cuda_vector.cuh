@@ -47,9 +47,9 @@ inline int device_attribute(int device, cudaDeviceAttr attribute) {
 }
 
 // Programmatic dependent launch (compute capability 9.0 and later): a grid launched by
-// launch_dependent may start once every block of the grid before it in the stream has begun or
-// called allow_dependent_grid, and holds in wait_for_prior_grid until that grid has finished and
-// its writes are visible. So the launch and the first blocks' start overlap the end of the grid
+// launch_dependent may start once every block of the grid before it in the stream has called
+// allow_dependent_grid or exited, and holds in wait_for_prior_grid until that grid has finished
+// and its writes are visible. So the launch and the first blocks' start overlap the end of the grid
 // before, instead of following it.
 __device__ __forceinline__ void allow_dependent_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
