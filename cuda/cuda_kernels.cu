@@ -346,14 +346,18 @@ int64_t launch_vector_backward(cudaStream_t stream, const ConvParams& p, float* 
   if (p.channel_last) {
     constexpr int C = channels_per_thread<T, K, kBackwardBudget>();
     constexpr auto kernel = backward_channel_last_kernel<T, K, kMasked>;
-    const int64_t columns = p.batch * (p.channels / C);
+    const int64_t packs = p.channels / C, columns = p.batch * packs;
     const int64_t tile_len =
         steps_per_thread(columns, p.length, resident_threads<kernel>(kBackwardThreads), kTileLen);
     const int64_t tiles = (p.length + tile_len - 1) / tile_len;
-    const int64_t threads = columns * tiles;
+    // A slice per kSliceTiles tiles where a row's packs are whole runs of 32 and there are that
+    // many tiles (with fewer, most of a block's warps would idle to save a slice or two).
+    const bool grouped = packs % kLanes == 0 && tiles >= kSliceTiles;
+    const int64_t slices = grouped ? (tiles + kSliceTiles - 1) / kSliceTiles : tiles;
+    const int64_t threads = columns * (grouped ? slices * kSliceTiles : tiles);
     const int64_t blocks = std::min(kMaxGridBlocks, (threads + kBackwardThreads - 1) / kBackwardThreads);
-    kernel<<<blocks, kBackwardThreads, 0, stream>>>(p, partials, tile_len, tiles);
-    return tiles;
+    kernel<<<blocks, kBackwardThreads, 0, stream>>>(p, partials, tile_len, tiles, slices);
+    return slices;
   }
   if (const int group = short_row_group(p.length, kPack<T>); group > 0) {
     constexpr auto kernel = backward_short_rows_kernel<T, K>;
