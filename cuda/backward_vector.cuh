@@ -22,6 +22,15 @@ constexpr int kBackwardBudget = 16;
 // benchmarks/RESULTS.md, fifteenth session).
 constexpr int kSliceTiles = kBackwardThreads / kLanes;
 
+// How the channel-last backward's threads take their items (built on the host): tiles of len
+// steps, count of them per row; units of `runs` per slice of a row (slices per row), each a
+// block's kLanes packs over kSliceTiles tiles where grouped (slices < count), else one pack
+// over one tile.
+struct ChannelLastTiles {
+  int64_t len, count;
+  FastDivisor runs, slices;
+};
+
 // Blocks per SM the register allocation must allow. Up to 16 weights a thread needs about 132
 // registers, 3 blocks of 128 per SM; capped at 128 (4 blocks) the main workload's backward took
 // 131.5 us against 135.7. Wider kernels keep what they need: the cap makes them spill. With
@@ -47,8 +56,7 @@ constexpr int backward_min_blocks() {
 // finds across a segment boundary or at padding, with tap tests.
 template <typename T, int K, bool kMasked>
 __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
-    backward_channel_last_kernel(ConvParams p, float* partials, int64_t tile_len, int64_t tiles,
-                                 int64_t slices) {
+    backward_channel_last_kernel(ConvParams p, float* partials, ChannelLastTiles split) {
   constexpr int C = channels_per_thread<T, K, kBackwardBudget>();
   constexpr int P = K - 1;
   using Row = RawFor<T, C>;
@@ -59,23 +67,21 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
   const RowRing<kDepth, Row, kBackwardThreads> x_ring{slots}, dy_ring{slots + kRingSlots};
   const Conv<T, float, K> conv{p};
   allow_dependent_grid();  // the reduction's blocks may wait on the SMs (see launch_dependent)
+  const int64_t tile_len = split.len, tiles = split.count, slices = split.slices.d;
   const bool grouped = slices < tiles;
   const int64_t packs = p.channels / C;
   // Grouped, whole blocks: every thread of a block reaches the __syncthreads of each item.
   const int64_t total = p.batch * packs * (grouped ? slices * kSliceTiles : tiles);
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
        i += int64_t{gridDim.x} * blockDim.x) {
-    int64_t d0, tile, b;
-    if (grouped) {  // block item j: run r of a row's packs, slice s of its tiles
-      const int64_t j = i / kBackwardThreads, runs = packs / kLanes;
-      d0 = (j % runs * kLanes + threadIdx.x % kLanes) * C;
-      tile = j / runs % slices * kSliceTiles + threadIdx.x / kLanes;
-      b = j / (runs * slices);
-    } else {
-      d0 = (i % packs) * C;
-      tile = i / packs % tiles;
-      b = i / (packs * tiles);
-    }
+    // Unit (b, slice, run), runs fastest: grouped, block item i / kBackwardThreads, whose lane l
+    // of warp w takes pack run * kLanes + l over tile slice * kSliceTiles + w; else item i, pack
+    // run over tile slice.
+    const int64_t unit = grouped ? i / kBackwardThreads : i;
+    const int64_t rest = unit / split.runs, run = unit - rest * split.runs.d;
+    const int64_t b = rest / split.slices, slice = rest - b * split.slices.d;
+    const int64_t d0 = (grouped ? run * kLanes + threadIdx.x % kLanes : run) * C;
+    const int64_t tile = grouped ? slice * kSliceTiles + threadIdx.x / kLanes : slice;
     float dw[K][C] = {}, db[C] = {};
     if (tile < tiles) {
       const int64_t t0 = tile * tile_len;
@@ -201,9 +207,8 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
         });
       }
     }
-    // The sums to pack (b * slices + slice) * packs + d0 / C of partials: item i's own when
-    // ungrouped, warp 0's i / kBackwardThreads * kLanes + lane when grouped. Taken from i, b and
-    // tile need not live across the steps.
+    // The sums to pack (b * slices + slice) * packs + d0 / C of partials: unit * kLanes + lane
+    // for warp 0 when grouped, else the unit. (From i, b and tile need not live across the steps.)
     const auto store = [&](int64_t pack) {
       float* out = partials + pack * C * (K + 1);
       for (int c = 0; c < C; ++c) {

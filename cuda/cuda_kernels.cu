@@ -356,7 +356,9 @@ int64_t launch_vector_backward(cudaStream_t stream, const ConvParams& p, float* 
     const int64_t slices = grouped ? (tiles + kSliceTiles - 1) / kSliceTiles : tiles;
     const int64_t threads = columns * (grouped ? slices * kSliceTiles : tiles);
     const int64_t blocks = std::min(kMaxGridBlocks, (threads + kBackwardThreads - 1) / kBackwardThreads);
-    kernel<<<blocks, kBackwardThreads, 0, stream>>>(p, partials, tile_len, tiles, slices);
+    const ChannelLastTiles split{tile_len, tiles, FastDivisor(grouped ? packs / kLanes : packs),
+                                 FastDivisor(slices)};
+    kernel<<<blocks, kBackwardThreads, 0, stream>>>(p, partials, split);
     return slices;
   }
   if (const int group = short_row_group(p.length, kPack<T>); group > 0) {
