@@ -23,9 +23,10 @@ constexpr int kBackwardBudget = 16;
 constexpr int kSliceTiles = kBackwardThreads / kLanes;
 
 // How the channel-last backward's threads take their items (built on the host): tiles of len
-// steps, count of them per row; units of `runs` per slice of a row (slices per row), each a
-// block's kLanes packs over kSliceTiles tiles where grouped (slices < count), else one pack
-// over one tile.
+// steps, count of them a row, cut into slices (of partials) a row; each slice into runs units, a
+// unit being a block's kLanes packs over kSliceTiles tiles where grouped (slices < count), else a
+// thread's one pack over one tile. The divisors take the index apart without a 64-bit division
+// (whose calls left the masked 16-bit K = 2 kernel 8 bytes of spills at its cap).
 struct ChannelLastTiles {
   int64_t len, count;
   FastDivisor runs, slices;
@@ -34,20 +35,23 @@ struct ChannelLastTiles {
 // Blocks per SM the register allocation must allow. Up to 16 weights a thread needs about 132
 // registers, 3 blocks of 128 per SM; capped at 128 (4 blocks) the main workload's backward took
 // 131.5 us against 135.7. Wider kernels keep what they need: the cap makes them spill. With
-// seq_idx the cap holds as well: the tap tests run in the checked copy only (see below).
+// seq_idx the cap holds as well: the tap tests run in the checked copy only (see below). Up to 8
+// weights (float K = 2) the kernels took at most 93 registers, 5 blocks, before the grouped
+// blocks' sums; bounded at 5 they keep them (unbounded, the masked one took 100).
 template <typename T, int K>
 constexpr int backward_min_blocks() {
-  return channels_per_thread<T, K, kBackwardBudget>() * K <= 16 ? 4 : 1;
+  constexpr int kWeights = channels_per_thread<T, K, kBackwardBudget>() * K;
+  return kWeights <= 8 ? 5 : kWeights <= 16 ? 4 : 1;
 }
 
 // (B, L, D), D a multiple of C. A thread owns C channels over one tile [t0, t1) and streams s from
-// t0 to t1 + P - 1 with K-row register windows of x and delta. Its dw/db sums go to slice `tile`
-// of partials (slices == tiles), or, where the launch groups tiles (slices < tiles: a row's packs
-// are whole runs of 32), its block's warps take the same 32 packs over tiles kSliceTiles j ..
-// kSliceTiles j + kSliceTiles - 1 (warp w the w-th; those past the row's last tile add zeros) and
-// write one slice j of their sums, added in warp order. At step s it finishes delta_s, adds
+// t0 to t1 + P - 1 with K-row register windows of x and delta. At step s it finishes delta_s, adds
 // delta_s's dw/db terms when it owns s, and emits dx_{s-P}, whose deltas (s-P .. s) are all in the
-// window by then.
+// window by then. Its dw/db sums go to slice `tile` of partials; or, where the launch groups tiles
+// (split.slices < split.count: a row's packs are whole runs of 32), a block's warps take one run
+// over kSliceTiles consecutive tiles, warp w the w-th (a warp past the row's last tile adds
+// zeros), and warp 0 writes their sum, in warp order, to slice tile / kSliceTiles. Either way a
+// warp streams consecutive packs of one row, as SegmentSteps::masked_steps has it.
 //
 // Steps P .. owned - 1 are interior: the rows exist, the thread owns them and every tap of
 // dx_{s-P} has its output in [0, L). They run a copy of the step with none of the edge tests,

@@ -144,6 +144,24 @@ def test_segment_boundaries_long_rows(dev, dtype):
     compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BLD", final="random")
 
 
+# The channel-last backward's grouped blocks (D = 256: 32 to 128 packs a row for every dtype and
+# width, whole runs of 32): a block's warps take one run over 4 consecutive 64-step tiles and sum
+# their dw/db. L = 650 makes 11 tiles, two whole groups and a last group of three tiles whose last
+# has 10 steps (the fourth warp adds zeros); with dS from tile 0, the final state's gradient in the
+# last tile, and seq_idx boundaries at tile and group edges (64, 256, 512) and in the last tile.
+@pytest.mark.parametrize("masked", [False, True], ids=["no_seq_idx", "seq_idx"])
+@pytest.mark.parametrize("width", [2, 4, 8])
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dev", GPU)
+def test_grouped_tiles(dev, dtype, width, masked):
+    rng = np.random.default_rng(width)
+    length = 650
+    seq = packed_seq_idx(length, [63, 64, 255, 256, 257, 511, 512, 640, 645]) if masked else None
+    args, seq_idx = inputs(rng, dtype, batch=4, length=length, channels=256, width=width,
+                           layout="BLD", seq_idx=seq)
+    compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BLD", final="random")
+
+
 # ---- channel-first with seq_idx: segments inside one sequence take the unmasked arithmetic ----
 
 def segment_len(dtype) -> int:
