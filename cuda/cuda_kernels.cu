@@ -254,8 +254,9 @@ int64_t resident_threads(int block_threads) {
 // column (batch row, channel pack) over a tile of the time axis: the longest tiles (at least
 // min_steps; the launch passes kTileLen, as the workspace holds tile_count(L) slices a row) that
 // still make kBackwardMinThreads threads, or `resident` where the device holds fewer. Each tile
-// adds a slice of dw/db partials (written, then read by the reduction) and a prologue, and more
-// threads than that did not move the bytes faster. On the H200, main workload (bf16 B=8 L=2048
+// adds a prologue and a slice of dw/db partials (written, then read by the reduction; measured
+// before the launch grouped tiles into slices, see kSliceTiles), and more threads than that did
+// not move the bytes faster. On the H200, main workload (bf16 B=8 L=2048
 // D=4096 K=4, 8192 columns; kernel + reduction, us): 256-step tiles (65536 threads, about one
 // wave) 116.4-117.2, 384 122.8, 512 (32768 threads) 113.1-113.4, 1024 139.5, 2048 243; D=8192:
 // 512 217.2, 1024 (32768 threads) 215.2, 2048 268.8; B=1 L=65536: 1024 421, 2048 (32768
