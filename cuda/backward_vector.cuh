@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
     const int64_t d0 = (grouped ? run * kLanes + threadIdx.x % kLanes : run) * C;
     const int64_t tile = grouped ? slice * kSliceTiles + threadIdx.x / kLanes : slice;
     float dw[K][C] = {}, db[C] = {};
-    if (tile < tiles) {
+    if (tile < tiles) {  // a row's last slice may have fewer tiles: its other warps add zeros
       const int64_t t0 = tile * tile_len;
       const int owned = static_cast<int>(std::min(tile_len, p.length - t0));
       const int64_t first_u = (tile == 0 && p.dinitial_state != nullptr) ? -P : t0;
