@@ -16,20 +16,42 @@ constexpr int kBackwardRingBytes = 64;
 // Threads per channel-last backward block, and weights per thread (K x C).
 constexpr int kBackwardThreads = 128;
 constexpr int kBackwardBudget = 16;
+// Tiles per slice of dw/db partials where a block's warps take one run of 32 channel packs over
+// consecutive tiles (a warp each) and sum their dw/db before writing them: the slices cost the
+// backward's stores and the reduction's loads (about 0.33 us a slice on the H200's main workload,
+// benchmarks/RESULTS.md, fifteenth session).
+constexpr int kSliceTiles = kBackwardThreads / kLanes;
+
+// How the channel-last backward's threads take their items (built on the host): tiles of len
+// steps, count of them a row, cut into slices (of partials) a row; each slice into runs units, a
+// unit being a block's kLanes packs over kSliceTiles tiles where grouped (slices < count), else a
+// thread's one pack over one tile. The divisors take the index apart without a 64-bit division
+// (whose calls left the masked 16-bit K = 2 kernel 8 bytes of spills at its cap).
+struct ChannelLastTiles {
+  int64_t len, count;
+  FastDivisor runs, slices;
+};
 
 // Blocks per SM the register allocation must allow. Up to 16 weights a thread needs about 132
 // registers, 3 blocks of 128 per SM; capped at 128 (4 blocks) the main workload's backward took
 // 131.5 us against 135.7. Wider kernels keep what they need: the cap makes them spill. With
-// seq_idx the cap holds as well: the tap tests run in the checked copy only (see below).
+// seq_idx the cap holds as well: the tap tests run in the checked copy only (see below). Up to 8
+// weights (float K = 2) the kernels took at most 93 registers, 5 blocks, before the grouped
+// blocks' sums; bounded at 5 they keep them (unbounded, the masked one took 100).
 template <typename T, int K>
 constexpr int backward_min_blocks() {
-  return channels_per_thread<T, K, kBackwardBudget>() * K <= 16 ? 4 : 1;
+  constexpr int kWeights = channels_per_thread<T, K, kBackwardBudget>() * K;
+  return kWeights <= 8 ? 5 : kWeights <= 16 ? 4 : 1;
 }
 
 // (B, L, D), D a multiple of C. A thread owns C channels over one tile [t0, t1) and streams s from
 // t0 to t1 + P - 1 with K-row register windows of x and delta. At step s it finishes delta_s, adds
 // delta_s's dw/db terms when it owns s, and emits dx_{s-P}, whose deltas (s-P .. s) are all in the
-// window by then.
+// window by then. Its dw/db sums go to slice `tile` of partials; or, where the launch groups tiles
+// (split.slices < split.count: a row's packs are whole runs of 32), a block's warps take one run
+// over kSliceTiles consecutive tiles, warp w the w-th (a warp past the row's last tile adds
+// zeros), and warp 0 writes their sum, in warp order, to slice tile / kSliceTiles. Either way a
+// warp streams consecutive packs of one row, as SegmentSteps::masked_steps has it.
 //
 // Steps P .. owned - 1 are interior: the rows exist, the thread owns them and every tap of
 // dx_{s-P} has its output in [0, L). They run a copy of the step with none of the edge tests,
@@ -38,146 +60,198 @@ constexpr int backward_min_blocks() {
 // finds across a segment boundary or at padding, with tap tests.
 template <typename T, int K, bool kMasked>
 __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
-    backward_channel_last_kernel(ConvParams p, float* partials, int64_t tile_len, int64_t tiles) {
+    backward_channel_last_kernel(ConvParams p, float* partials, ChannelLastTiles split) {
   constexpr int C = channels_per_thread<T, K, kBackwardBudget>();
   constexpr int P = K - 1;
   using Row = RawFor<T, C>;
   constexpr int kDepth = kBackwardRingBytes / static_cast<int>(sizeof(Row));
-  __shared__ Row x_slots[kDepth * kBackwardThreads];
-  __shared__ Row dy_slots[kDepth * kBackwardThreads];
-  const RowRing<kDepth, Row, kBackwardThreads> x_ring{x_slots}, dy_ring{dy_slots};
+  constexpr int kRingSlots = kDepth * kBackwardThreads;
+  // The x ring, then the dy ring; once a grouped block's steps are done, its warps' dw/db sums.
+  __shared__ Row slots[2 * kRingSlots];
+  const RowRing<kDepth, Row, kBackwardThreads> x_ring{slots}, dy_ring{slots + kRingSlots};
   const Conv<T, float, K> conv{p};
   allow_dependent_grid();  // the reduction's blocks may wait on the SMs (see launch_dependent)
+  const int64_t tile_len = split.len, tiles = split.count, slices = split.slices.d;
+  const bool grouped = slices < tiles;
   const int64_t packs = p.channels / C;
-  const int64_t total = p.batch * tiles * packs;
+  // Grouped, whole blocks: every thread of a block reaches the __syncthreads of each item.
+  const int64_t total = p.batch * packs * (grouped ? slices * kSliceTiles : tiles);
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
        i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t d0 = (i % packs) * C;
-    const int64_t tile = (i / packs) % tiles, b = i / (packs * tiles);
-    const int64_t t0 = tile * tile_len;
-    const int owned = static_cast<int>(std::min(tile_len, p.length - t0));
-    const int64_t first_u = (tile == 0 && p.dinitial_state != nullptr) ? -P : t0;
-    // Step j streams time t0 + j: the tile and the P rows after it that exist.
-    const int live_steps = static_cast<int>(std::min<int64_t>(owned + P, p.length - t0));
-    // One element offset serves x, dy and dx (three pointers cost registers the cap above lacks):
-    // the offset of the next fetch's row, kDepth rows after the current step's.
-    int64_t next_row = (b * p.length + t0) * p.channels + d0;
-    const auto fetch = [&](int step) {
-      const bool live = step < live_steps;
-      x_ring.fetch(step, static_cast<const T*>(p.x) + next_row, live);
-      dy_ring.fetch(step, static_cast<const T*>(p.dy) + next_row, live);
-      ring_commit();
-      next_row += p.channels;
-    };
-    for (int step = 0; step < kDepth; ++step) fetch(step);
-    float w[K][C], bias[C], dw[K][C] = {}, db[C] = {};
-    load_weights(conv, b, d0, w, bias);
-    float x[K][C], delta[K][C] = {};
-    load_window_before(conv, b, t0, d0, x);
-    using Segments = SegmentSteps<K, C>;
-    const Segments segments{p, b, t0, d0, live_steps};
-    // One step; interior is std::true_type on the interior steps (see above), taps those of
-    // SegmentSteps: the constant kAllTaps leaves no tap test. silu: std::true_type or
-    // std::false_type, chosen once around the steps, or p.silu (with seq_idx, see below).
-    const auto step_at = [&](int step, auto interior, uint32_t taps, auto silu) {
-      constexpr bool kInterior = decltype(interior)::value;
-      const int64_t s = t0 + step;
-      const bool live = kInterior || step < live_steps;
-      float dy[C];
-      ring_wait<kDepth - 1>();
-      if (live) {
-        widen(x_ring.template read<T, C>(step), x[P]);
-        widen(dy_ring.template read<T, C>(step), dy);
-      } else {
-        for (int c = 0; c < C; ++c) x[P][c] = dy[c] = 0.0f;
-      }
-      fetch(step + kDepth);  // into the slots just read
-      const bool output = live && Segments::has(taps, P);
-      for (int c = 0; c < C; ++c) {
-        float z = bias[c];
-        for (int k = 0; k < K; ++k) {
-          const float tap = fmaf(w[k][c], x[k][c], z);
-          z = Segments::has(taps, k) ? tap : z;
-        }
-        delta[P][c] = output ? activation_vjp(dy[c], z, silu) : 0.0f;
-      }
-      if (kInterior || step < owned) {
-        for (int c = 0; c < C; ++c) {
-          db[c] += delta[P][c];
-          for (int k = 0; k < K; ++k) {
-            const float term = fmaf(delta[P][c], x[k][c], dw[k][c]);
-            dw[k][c] = Segments::has(taps, k) ? term : dw[k][c];
-          }
-        }
-      }
-      const int64_t u = s - P;  // tap k of output time s - k reads x_u; its delta is delta[P - k]
-      if (kInterior || u >= first_u) {
-        // Taps of outputs outside [0, L) are skipped, not multiplied by a zero delta: a
-        // non-finite weight must reach dx only through outputs that exist, as in the reference.
-        const bool outputs_exist = kInterior || (u >= 0 && s < p.length);
-        float g[C];
-        for (int c = 0; c < C; ++c) {
-          g[c] = 0.0f;
-          for (int k = 0; k < K; ++k) {
-            const bool used = (outputs_exist || (s - k >= 0 && s - k < p.length)) &&
-                              Segments::has(taps, Segments::kInputTaps + k);
-            g[c] = used ? fmaf(w[k][c], delta[P - k][c], g[c]) : g[c];
-          }
-        }
-        if (!kInterior && u >= p.length - P) {
-          for (int c = 0; c < C; ++c) g[c] += conv.final_state_grad(b, u, d0 + c);
-        }
-        if (kInterior || u >= 0) {
-          store_vec(static_cast<T*>(p.dx) + next_row - (kDepth + 1 + P) * p.channels,
-                    narrow<T, C>(g));
-        } else {
-          store_vec(static_cast<T*>(p.dinitial_state) + offset(p.state_strides, b, u + P, d0),
-                    narrow<T, C>(g));
-        }
-      }
-      slide_windows<K, C>(x, delta);
-    };
-    // The interior steps [begin, end), silu as in step_at.
-    const auto interior = [&](int begin, int end, auto silu) {
-      return run_steps<K>(begin, end, [&](int step) {
-        step_at(step, std::true_type{}, Segments::kAllTaps, silu);
-      });
-    };
-    if constexpr (kMasked) {
-      // The steps that need tap tests are few: one checked copy serves them and the edges (a
-      // second one, or an interior copy with tap tests, cost registers that the cap lacks), and
-      // it reads the activation's flag. 16-bit K = 2 (8 channels a thread, at the cap of 128
-      // registers) reads it on its interior steps too: with the activation chosen there ptxas
-      // spilled 20-32 bytes around the step loops (8-16 with this run_steps call written as
-      // interior(begin, end, p.silu)).
-      const auto uniform = [&](int begin, int end) {
-        if constexpr (sizeof(T) == 2 && K == 2) {
-          return run_steps<K>(begin, end, [&](int step) {
-            step_at(step, std::true_type{}, Segments::kAllTaps, p.silu);
-          });
-        } else {
-          return with_bool_constant(p.silu, [&](auto silu) { return interior(begin, end, silu); });
-        }
+    // Unit (b, slice, run), runs fastest: grouped, block item i / kBackwardThreads, whose lane l
+    // of warp w takes pack run * kLanes + l over tile slice * kSliceTiles + w; else item i, pack
+    // run over tile slice.
+    const int64_t unit = grouped ? i / kBackwardThreads : i;
+    const int64_t rest = unit / split.runs, run = unit - rest * split.runs.d;
+    const int64_t b = rest / split.slices, slice = rest - b * split.slices.d;
+    const int64_t d0 = (grouped ? run * kLanes + threadIdx.x % kLanes : run) * C;
+    const int64_t tile = grouped ? slice * kSliceTiles + threadIdx.x / kLanes : slice;
+    float dw[K][C] = {}, db[C] = {};
+    if (tile < tiles) {  // a row's last slice may have fewer tiles: its other warps add zeros
+      const int64_t t0 = tile * tile_len;
+      const int owned = static_cast<int>(std::min(tile_len, p.length - t0));
+      const int64_t first_u = (tile == 0 && p.dinitial_state != nullptr) ? -P : t0;
+      // Step j streams time t0 + j: the tile and the P rows after it that exist.
+      const int live_steps = static_cast<int>(std::min<int64_t>(owned + P, p.length - t0));
+      // One element offset serves x, dy and dx (three pointers cost registers the cap above lacks):
+      // the offset of the next fetch's row, kDepth rows after the current step's.
+      int64_t next_row = (b * p.length + t0) * p.channels + d0;
+      const auto fetch = [&](int step) {
+        const bool live = step < live_steps;
+        x_ring.fetch(step, static_cast<const T*>(p.x) + next_row, live);
+        dy_ring.fetch(step, static_cast<const T*>(p.dy) + next_row, live);
+        ring_commit();
+        next_row += p.channels;
       };
-      segments.run(0, owned + P, P, owned, uniform, [&](int step, bool needs_seq_idx) {
-        step_at(step, std::false_type{}, needs_seq_idx ? segments.taps(step) : Segments::kAllTaps,
-                p.silu);
-      });
-    } else {
-      with_bool_constant(p.silu, [&](auto silu) {
-        int step = 0;
+      for (int step = 0; step < kDepth; ++step) fetch(step);
+      float w[K][C], bias[C];
+      load_weights(conv, b, d0, w, bias);
+      float x[K][C], delta[K][C] = {};
+      load_window_before(conv, b, t0, d0, x);
+      using Segments = SegmentSteps<K, C>;
+      const Segments segments{p, b, t0, d0, live_steps};
+      // One step; interior is std::true_type on the interior steps (see above), taps those of
+      // SegmentSteps: the constant kAllTaps leaves no tap test. silu: std::true_type or
+      // std::false_type, chosen once around the steps, or p.silu (with seq_idx, see below).
+      const auto step_at = [&](int step, auto interior, uint32_t taps, auto silu) {
+        constexpr bool kInterior = decltype(interior)::value;
+        const int64_t s = t0 + step;
+        const bool live = kInterior || step < live_steps;
+        float dy[C];
+        ring_wait<kDepth - 1>();
+        if (live) {
+          widen(x_ring.template read<T, C>(step), x[P]);
+          widen(dy_ring.template read<T, C>(step), dy);
+        } else {
+          for (int c = 0; c < C; ++c) x[P][c] = dy[c] = 0.0f;
+        }
+        fetch(step + kDepth);  // into the slots just read
+        const bool output = live && Segments::has(taps, P);
+        for (int c = 0; c < C; ++c) {
+          float z = bias[c];
+          for (int k = 0; k < K; ++k) {
+            const float tap = fmaf(w[k][c], x[k][c], z);
+            z = Segments::has(taps, k) ? tap : z;
+          }
+          delta[P][c] = output ? activation_vjp(dy[c], z, silu) : 0.0f;
+        }
+        if (kInterior || step < owned) {
+          for (int c = 0; c < C; ++c) {
+            db[c] += delta[P][c];
+            for (int k = 0; k < K; ++k) {
+              const float term = fmaf(delta[P][c], x[k][c], dw[k][c]);
+              dw[k][c] = Segments::has(taps, k) ? term : dw[k][c];
+            }
+          }
+        }
+        const int64_t u = s - P;  // tap k of output time s - k reads x_u; its delta is delta[P - k]
+        if (kInterior || u >= first_u) {
+          // Taps of outputs outside [0, L) are skipped, not multiplied by a zero delta: a
+          // non-finite weight must reach dx only through outputs that exist, as in the reference.
+          const bool outputs_exist = kInterior || (u >= 0 && s < p.length);
+          float g[C];
+          for (int c = 0; c < C; ++c) {
+            g[c] = 0.0f;
+            for (int k = 0; k < K; ++k) {
+              const bool used = (outputs_exist || (s - k >= 0 && s - k < p.length)) &&
+                                Segments::has(taps, Segments::kInputTaps + k);
+              g[c] = used ? fmaf(w[k][c], delta[P - k][c], g[c]) : g[c];
+            }
+          }
+          if (!kInterior && u >= p.length - P) {
+            for (int c = 0; c < C; ++c) g[c] += conv.final_state_grad(b, u, d0 + c);
+          }
+          if (kInterior || u >= 0) {
+            store_vec(static_cast<T*>(p.dx) + next_row - (kDepth + 1 + P) * p.channels,
+                      narrow<T, C>(g));
+          } else {
+            store_vec(static_cast<T*>(p.dinitial_state) + offset(p.state_strides, b, u + P, d0),
+                      narrow<T, C>(g));
+          }
+        }
+        slide_windows<K, C>(x, delta);
+      };
+      // The interior steps [begin, end), silu as in step_at.
+      const auto interior = [&](int begin, int end, auto silu) {
+        return run_steps<K>(begin, end, [&](int step) {
+          step_at(step, std::true_type{}, Segments::kAllTaps, silu);
+        });
+      };
+      if constexpr (kMasked) {
+        // The steps that need tap tests are few: one checked copy serves them and the edges (a
+        // second one, or an interior copy with tap tests, cost registers that the cap lacks), and
+        // it reads the activation's flag. 16-bit K = 2 (8 channels a thread, at the cap of 128
+        // registers) reads it on its interior steps too: with the activation chosen there ptxas
+        // spilled 20-32 bytes around the step loops (8-16 with this run_steps call written as
+        // interior(begin, end, p.silu)).
+        const auto uniform = [&](int begin, int end) {
+          if constexpr (sizeof(T) == 2 && K == 2) {
+            return run_steps<K>(begin, end, [&](int step) {
+              step_at(step, std::true_type{}, Segments::kAllTaps, p.silu);
+            });
+          } else {
+            return with_bool_constant(p.silu,
+                                      [&](auto silu) { return interior(begin, end, silu); });
+          }
+        };
+        segments.run(0, owned + P, P, owned, uniform, [&](int step, bool needs_seq_idx) {
+          step_at(step, std::false_type{}, needs_seq_idx ? segments.taps(step) : Segments::kAllTaps,
+                  p.silu);
+        });
+      } else {
+        with_bool_constant(p.silu, [&](auto silu) {
+          int step = 0;
 #pragma unroll 1
-        for (; step < P; ++step) step_at(step, std::false_type{}, Segments::kAllTaps, silu);
-        step = interior(step, owned, silu);
+          for (; step < P; ++step) step_at(step, std::false_type{}, Segments::kAllTaps, silu);
+          step = interior(step, owned, silu);
 #pragma unroll 1
-        for (; step < owned + P; ++step) step_at(step, std::false_type{}, Segments::kAllTaps, silu);
-      });
+          for (; step < owned + P; ++step) {
+            step_at(step, std::false_type{}, Segments::kAllTaps, silu);
+          }
+        });
+      }
     }
-    float* out = partials + ((b * tiles + tile) * p.channels + d0) * (K + 1);
-    for (int c = 0; c < C; ++c) {
-      for (int k = 0; k < K; ++k) out[c * (K + 1) + k] = dw[k][c];
-      out[c * (K + 1) + K] = db[c];
+    // The sums to pack (b * slices + slice) * packs + d0 / C of partials: unit * kLanes + lane
+    // for warp 0 when grouped, else the unit. (From i, b and tile need not live across the steps.)
+    const auto store = [&](int64_t pack) {
+      float* out = partials + pack * C * (K + 1);
+      for (int c = 0; c < C; ++c) {
+        for (int k = 0; k < K; ++k) out[c * (K + 1) + k] = dw[k][c];
+        out[c * (K + 1) + K] = db[c];
+      }
+    };
+    if (!grouped) {
+      store(i);
+      continue;
     }
+    // Warps 1 .. kSliceTiles - 1 leave their sums in the ring slots, value v of thread t at
+    // v * kOthers + t - kLanes (a warp's lanes in consecutive banks), and warp 0 adds them to its
+    // own in warp order. No copy is in flight by now (none is fetched past a thread's last step);
+    // the wait makes it certain before the slots change hands.
+    constexpr int kOthers = kBackwardThreads - kLanes;
+    static_assert((K + 1) * C * kOthers * sizeof(float) <= sizeof(slots), "the sums fit the rings");
+    float* const sums = reinterpret_cast<float*>(slots);
+    const int other = static_cast<int>(threadIdx.x) - kLanes;
+    ring_wait<0>();
+    __syncthreads();
+    if (other >= 0) {
+      for (int c = 0; c < C; ++c) {
+        for (int k = 0; k < K; ++k) sums[(c * (K + 1) + k) * kOthers + other] = dw[k][c];
+        sums[(c * (K + 1) + K) * kOthers + other] = db[c];
+      }
+    }
+    __syncthreads();
+    if (other < 0) {
+      for (int w = 0; w + 1 < kSliceTiles; ++w) {
+        const int from = w * kLanes + static_cast<int>(threadIdx.x);
+        for (int c = 0; c < C; ++c) {
+          for (int k = 0; k < K; ++k) dw[k][c] += sums[(c * (K + 1) + k) * kOthers + from];
+          db[c] += sums[(c * (K + 1) + K) * kOthers + from];
+        }
+      }
+      store(i / kBackwardThreads * kLanes + threadIdx.x);
+    }
+    __syncthreads();  // the sums are read before the next item's fetches reuse the slots
   }
 }
 

@@ -190,13 +190,15 @@ struct SegmentSteps {
   // Bit i: whether step begin + i (i < end - begin <= 32) needs the tap tests, its window not
   // inside one segment. A step at or past live is counted as one that does (its id is -1).
   //
-  // The lanes of the thread's group work it out together. A warp's threads take 32 consecutive
-  // items, and consecutive items are the channel packs of one piece of a row, so the lanes that
-  // stream this piece are lanes first .. first + size - 1 (all 32 when a row's packs are a
-  // multiple of 32). Mostly the ids of steps begin - P .. begin + 31 are all one id >= 0 and no
-  // step needs the tap tests: the lanes read them a few each and vote. Else each looks at every
-  // size-th step, whose window's ids its neighbours have just read. (Shuffles instead of these
-  // loads compiled to calls for a diverged warp, which cost the callers registers.)
+  // The lanes of the thread's group work it out together. A warp's lanes take consecutive
+  // channel packs in lane order, those of one piece of a row, then from the first pack of the
+  // next piece (the channel-last kernels' consecutive items; a grouped backward block's warp
+  // takes 32 packs of one piece), so the lanes that stream this piece are lanes first .. first +
+  // size - 1 (all 32 when a row's packs are a multiple of 32). Mostly the ids of steps
+  // begin - P .. begin + 31 are all one id >= 0 and no step needs the tap tests: the lanes read
+  // them a few each and vote. Else each looks at every size-th step, whose window's ids its
+  // neighbours have just read. (Shuffles instead of these loads compiled to calls for a diverged
+  // warp, which cost the callers registers.)
   __device__ __forceinline__ uint32_t masked_steps(int begin, int end) const {
     static_assert(kSegmentChunk == kLanes, "a step a lane");
     const int lane = static_cast<int>(threadIdx.x % kLanes);

@@ -254,8 +254,9 @@ int64_t resident_threads(int block_threads) {
 // column (batch row, channel pack) over a tile of the time axis: the longest tiles (at least
 // min_steps; the launch passes kTileLen, as the workspace holds tile_count(L) slices a row) that
 // still make kBackwardMinThreads threads, or `resident` where the device holds fewer. Each tile
-// adds a slice of dw/db partials (written, then read by the reduction) and a prologue, and more
-// threads than that did not move the bytes faster. On the H200, main workload (bf16 B=8 L=2048
+// adds a prologue and a slice of dw/db partials (written, then read by the reduction; measured
+// before the launch grouped tiles into slices, see kSliceTiles), and more threads than that did
+// not move the bytes faster. On the H200, main workload (bf16 B=8 L=2048
 // D=4096 K=4, 8192 columns; kernel + reduction, us): 256-step tiles (65536 threads, about one
 // wave) 116.4-117.2, 384 122.8, 512 (32768 threads) 113.1-113.4, 1024 139.5, 2048 243; D=8192:
 // 512 217.2, 1024 (32768 threads) 215.2, 2048 268.8; B=1 L=65536: 1024 421, 2048 (32768
@@ -346,14 +347,20 @@ int64_t launch_vector_backward(cudaStream_t stream, const ConvParams& p, float* 
   if (p.channel_last) {
     constexpr int C = channels_per_thread<T, K, kBackwardBudget>();
     constexpr auto kernel = backward_channel_last_kernel<T, K, kMasked>;
-    const int64_t columns = p.batch * (p.channels / C);
+    const int64_t packs = p.channels / C, columns = p.batch * packs;
     const int64_t tile_len =
         steps_per_thread(columns, p.length, resident_threads<kernel>(kBackwardThreads), kTileLen);
     const int64_t tiles = (p.length + tile_len - 1) / tile_len;
-    const int64_t threads = columns * tiles;
+    // A slice per kSliceTiles tiles where a row's packs are whole runs of 32 and there are that
+    // many tiles (with fewer, most of a block's warps would idle to save a slice or two).
+    const bool grouped = packs % kLanes == 0 && tiles >= kSliceTiles;
+    const int64_t slices = grouped ? (tiles + kSliceTiles - 1) / kSliceTiles : tiles;
+    const int64_t threads = columns * (grouped ? slices * kSliceTiles : tiles);
     const int64_t blocks = std::min(kMaxGridBlocks, (threads + kBackwardThreads - 1) / kBackwardThreads);
-    kernel<<<blocks, kBackwardThreads, 0, stream>>>(p, partials, tile_len, tiles);
-    return tiles;
+    const ChannelLastTiles split{tile_len, tiles, FastDivisor(grouped ? packs / kLanes : packs),
+                                 FastDivisor(slices)};
+    kernel<<<blocks, kBackwardThreads, 0, stream>>>(p, partials, split);
+    return slices;
   }
   if (const int group = short_row_group(p.length, kPack<T>); group > 0) {
     constexpr auto kernel = backward_short_rows_kernel<T, K>;

@@ -15,12 +15,18 @@ the kernels' 32-step checks start, and just after.
 
 from __future__ import annotations
 
+from functools import partial
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import DEVICES, GPU
+from conftest import DEVICES, GPU, assert_close, device, to_f64
 from test_backward import compare, inputs, packed_seq_idx
+
+import jax_causal_conv as jcc
+from jax_causal_conv import reference
 
 HALF_AND_FLOAT = [jnp.float32, jnp.float16, jnp.bfloat16]
 SHAPES = {"BLD": dict(batch=2, length=300, channels=64), "BDL": dict(batch=2, length=1000, channels=4)}
@@ -142,6 +148,46 @@ def test_segment_boundaries_long_rows(dev, dtype):
     args, seq_idx = inputs(rng, dtype, batch=2, length=length, channels=512, width=4,
                            layout="BLD", seq_idx=np.stack(rows))
     compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BLD", final="random")
+
+
+# The channel-last backward's grouped blocks (D = 256: 32 to 128 packs a row for every dtype and
+# width, whole runs of 32): a block's warps take one run over 4 consecutive 64-step tiles and sum
+# their dw/db. L = 650 makes 11 tiles, two whole groups and a last group of three tiles whose last
+# has 10 steps (the fourth warp adds zeros); with dS from tile 0, the final state's gradient in the
+# last tile, and seq_idx boundaries at tile and group edges (64, 256, 512) and in the last tile.
+@pytest.mark.parametrize("masked", [False, True], ids=["no_seq_idx", "seq_idx"])
+@pytest.mark.parametrize("width", [2, 4, 8])
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dev", GPU)
+def test_grouped_tiles(dev, dtype, width, masked):
+    rng = np.random.default_rng(width)
+    length = 650
+    seq = packed_seq_idx(length, [63, 64, 255, 256, 257, 511, 512, 640, 645]) if masked else None
+    args, seq_idx = inputs(rng, dtype, batch=4, length=length, channels=256, width=width,
+                           layout="BLD", seq_idx=seq)
+    compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BLD", final="random")
+
+
+# The same blocks under weight groups (vmapped parameters over one x: 3 groups of 2 batch rows),
+# whose dw/db the reduction sums over each group's rows and slices.
+@pytest.mark.parametrize("dev", GPU)
+def test_grouped_tiles_weight_groups(dev):
+    rng = np.random.default_rng(12)
+    members, batch, length, channels, width = 3, 2, 650, 256, 4
+    x = jnp.asarray(rng.standard_normal((batch, length, channels)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((members, channels, width)) / 2, jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((members, channels)), jnp.bfloat16)
+
+    def loss(conv, x, w, b):
+        return jnp.sum(jnp.sin(conv(x, w, b, activation="silu").astype(jnp.float64)))
+
+    grad = jax.vmap(jax.grad(partial(loss, jcc.causal_conv1d), argnums=(0, 1, 2)),
+                    in_axes=(None, 0, 0))
+    grads = jax.jit(grad)(*jax.device_put((x, w, b), device(dev)))
+    refs = jax.vmap(jax.grad(partial(loss, reference.causal_conv1d), argnums=(0, 1, 2)),
+                    in_axes=(None, 0, 0))(*jax.device_put(to_f64((x, w, b)), device("cpu")))
+    for what, g, r in zip(("dx", "dweight", "dbias"), grads, refs):
+        assert_close(g, r, jnp.bfloat16, what)
 
 
 # ---- channel-first with seq_idx: segments inside one sequence take the unmasked arithmetic ----
