@@ -8,7 +8,7 @@ channel-first with and without the shared-memory staging, ring mode, a pool with
 grids of several blocks with threads past the channels and rows) and of the generic one, and
 checks each result against the reference so a wrong answer also fails the run. Each printed line
 starts with the case's index; `--start N` runs the cases from index N on (scripts/gpu_check.sh
-resumes with it after a sanitizer crash).
+resumes with it after a sanitizer crash), `--stop N` those before index N.
 """
 
 import argparse
@@ -44,6 +44,10 @@ CASES = [
     (2, 1000, 64, 4, "BLD", jnp.bfloat16, 9, True),
     (2, 600, 128, 3, "BLD", jnp.float32, 7, True),
     (1, 4096, 512, 4, "BDL", jnp.bfloat16, 12, True),
+    # channel-last backward blocks whose warps share a run of 32 packs over 4 tiles and sum dw/db
+    # in shared memory: whole groups of tiles, and a last group of 2 tiles with seq_idx
+    (2, 1024, 256, 4, "BLD", jnp.bfloat16, 0, True),
+    (1, 600, 512, 3, "BLD", jnp.float16, 3, False),
     # short channel-first rows: a few packs each, several rows per warp
     (64, 128, 256, 4, "BDL", jnp.bfloat16, 0, True),
     (40, 24, 36, 4, "BDL", jnp.float32, 3, True),
@@ -102,12 +106,17 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--start", type=int, default=0,
                         help="index of the first case to run (to resume after a sanitizer crash)")
+    parser.add_argument("--stop", type=int, default=None,
+                        help="index past the last case to run (default: all)")
     args = parser.parse_args(argv)
     total = len(CASES) + len(UPDATE_CASES)
+    stop = total if args.stop is None else args.stop
     if not 0 <= args.start <= total:
         parser.error(f"--start must be in [0, {total}], got {args.start}")
-    print(f"cases {args.start} to {total - 1} of {total} cases", flush=True)
-    for index in range(args.start, len(CASES)):
+    if not args.start <= stop <= total:
+        parser.error(f"--stop must be in [{args.start}, {total}], got {stop}")
+    print(f"cases {args.start} to {stop - 1} of {total} cases", flush=True)
+    for index in range(args.start, min(stop, len(CASES))):
         batch, length, channels, width, layout, dtype, segments, with_state = CASES[index]
         # Per case, so that a resumed run gives each case the inputs of a whole run.
         rng = np.random.default_rng(index)
@@ -143,7 +152,7 @@ def main(argv=None):
               with_state, ["%.1e" % e for e in errs], status, flush=True)
         if status != "ok":
             raise SystemExit(1)
-    for index in range(max(args.start - len(CASES), 0), len(UPDATE_CASES)):
+    for index in range(max(args.start - len(CASES), 0), max(stop - len(CASES), 0)):
         check_update(index)
 
 
