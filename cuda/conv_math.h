@@ -258,7 +258,9 @@ CAUSAL_CONV_HD A bias_of(const Params& p, int64_t b, int64_t d) {
 
 // DESIGN.md section 2: output time t (segment seg_t) reads input time u (segment seg_u) only
 // inside its own non-padding segment.
-CAUSAL_CONV_HD bool same_segment(int32_t seg_t, int32_t seg_u) { return seg_t >= 0 && seg_u == seg_t; }
+CAUSAL_CONV_HD bool same_segment(int32_t seg_t, int32_t seg_u) {
+  return seg_t >= 0 && seg_u == seg_t;
+}
 
 // T: storage type of x and the states; A: accumulation type (float, or double for double x);
 // kWidth: the kernel width when known at compile time, 0 when read from params.

@@ -246,7 +246,8 @@ template <int N>
 __device__ __forceinline__ void load_segments(const int32_t* src, bool live, int32_t (&out)[N]) {
   static_assert(N % 4 == 0, "segments load in fours");
   for (int i = 0; i < N; i += 4) {
-    const Vec<int32_t, 4> four = live ? load_readonly<int32_t, 4>(src + i) : Vec<int32_t, 4>{{-1, -1, -1, -1}};
+    const Vec<int32_t, 4> four =
+        live ? load_readonly<int32_t, 4>(src + i) : Vec<int32_t, 4>{{-1, -1, -1, -1}};
     for (int j = 0; j < 4; ++j) out[i + j] = four.v[j];
   }
 }

@@ -31,7 +31,9 @@ namespace {
 constexpr int64_t kTileLen = 64;
 constexpr int64_t kMaxGridBlocks = int64_t{1} << 20;
 
-int64_t tile_count(int64_t length) { return std::max<int64_t>(1, (length + kTileLen - 1) / kTileLen); }
+int64_t tile_count(int64_t length) {
+  return std::max<int64_t>(1, (length + kTileLen - 1) / kTileLen);
+}
 
 // Channels per backward block: keeps the delta tile within 48 KB for every width up to 256.
 template <typename A>
@@ -217,8 +219,8 @@ bool vector_applies(const ConvParams& p, bool backward) {
     const bool forward_ok = contiguous % kPack<T> == 0 && aligned16(p.x) && aligned16(p.y) &&
                             (p.initial_state == nullptr || aligned16(p.initial_state)) &&
                             (p.seq_idx == nullptr || aligned16(p.seq_idx));
-    return forward_ok && (!backward || (aligned16(p.dy) && aligned16(p.dx) &&
-                                        (p.dinitial_state == nullptr || aligned16(p.dinitial_state))));
+    const bool state_ok = p.dinitial_state == nullptr || aligned16(p.dinitial_state);
+    return forward_ok && (!backward || (aligned16(p.dy) && aligned16(p.dx) && state_ok));
   }
 }
 
@@ -289,8 +291,9 @@ int64_t short_row_blocks(const ConvParams& p, int group) {
 // device holds of it.
 template <auto kKernel, typename T, bool kMasked>
 int64_t channel_first_chunk_for(const ConvParams& p, int64_t max_segments) {
+  const int64_t resident_warps = resident_threads<kKernel>(kChannelFirstThreads) / kLanes;
   return channel_first_chunk(channel_first_items<kMasked>(p, 1), p.length, kLanes * kPack<T>,
-                             resident_threads<kKernel>(kChannelFirstThreads) / kLanes, max_segments);
+                             resident_warps, max_segments);
 }
 
 // Time steps per channel-last forward thread: 64 (fewer prologues: weights, halo rows, the ring's
@@ -306,7 +309,9 @@ inline int64_t forward_time_chunk(int64_t columns, int64_t length, int64_t resid
   int64_t chunk = kLongest;
   while (chunk > kShortest && threads_for(chunk) < kMinThreads) chunk /= 2;
   if (chunk < kLongest || resident <= 0) return chunk;
-  const auto cost = [&](int64_t steps) { return waves_cost(threads_for(steps), resident, steps, halo); };
+  const auto cost = [&](int64_t steps) {
+    return waves_cost(threads_for(steps), resident, steps, halo);
+  };
   for (int64_t steps = kFitFrom; steps < kLongest; ++steps) {
     if (cost(steps) < cost(chunk)) chunk = steps;
   }
@@ -323,7 +328,8 @@ bool launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
     const int64_t time_chunk = forward_time_chunk(columns, p.length,
                                                   resident_threads<kernel>(kForwardThreads), K - 1);
     const int64_t threads = columns * ((p.length + time_chunk - 1) / time_chunk);
-    const int64_t blocks = std::min(kMaxGridBlocks, (threads + kForwardThreads - 1) / kForwardThreads);
+    const int64_t blocks =
+        std::min(kMaxGridBlocks, (threads + kForwardThreads - 1) / kForwardThreads);
     kernel<<<blocks, kForwardThreads, 0, stream>>>(p, time_chunk);
     return false;
   }
@@ -356,7 +362,8 @@ int64_t launch_vector_backward(cudaStream_t stream, const ConvParams& p, float* 
     const bool grouped = packs % kLanes == 0 && tiles >= kSliceTiles;
     const int64_t slices = grouped ? (tiles + kSliceTiles - 1) / kSliceTiles : tiles;
     const int64_t threads = columns * (grouped ? slices * kSliceTiles : tiles);
-    const int64_t blocks = std::min(kMaxGridBlocks, (threads + kBackwardThreads - 1) / kBackwardThreads);
+    const int64_t blocks =
+        std::min(kMaxGridBlocks, (threads + kBackwardThreads - 1) / kBackwardThreads);
     const ChannelLastTiles split{tile_len, tiles, FastDivisor(grouped ? packs / kLanes : packs),
                                  FastDivisor(slices)};
     kernel<<<blocks, kBackwardThreads, 0, stream>>>(p, partials, split);
@@ -396,7 +403,9 @@ ffi::Error launch_output(cudaStream_t stream, const ConvParams& p, bool& final_s
 template <typename T, typename A, int kWidth>
 ffi::Error launch_forward(cudaStream_t stream, const ConvParams& p) {
   bool final_state_done = false;
-  if (auto err = launch_output<T, A, kWidth>(stream, p, final_state_done); err.failure()) return err;
+  if (auto err = launch_output<T, A, kWidth>(stream, p, final_state_done); err.failure()) {
+    return err;
+  }
   const int64_t state_points = p.batch * (p.width - 1) * p.channels;
   if (p.final_state != nullptr && state_points > 0 && !final_state_done) {
     final_state_kernel<T, A, 0><<<grid_for(state_points), kThreads, 0, stream>>>(p);

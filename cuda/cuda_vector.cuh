@@ -262,7 +262,9 @@ struct RowRing {
 };
 
 // Closes the copy group of one step's fetches.
-__device__ __forceinline__ void ring_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void ring_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
 
 // Waits until at most kPending copy groups are in flight.
 template <int kPending>

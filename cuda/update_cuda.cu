@@ -293,9 +293,10 @@ int64_t update_blocks(int64_t threads) {
 }
 
 // The one-token kernel's blocks resident at once on the current device (one wave), as its
-// launch bounds promise, or 0 if the runtime cannot say. Not the occupancy calculator: the launch
-// may be captured into a CUDA graph, where loading a module to query it is not a safe call; and a
-// kernel with room for more blocks only has its threads walk more rows.
+// launch bounds promise, or 0 if the runtime cannot say. The bound rather than the occupancy
+// calculator (which resident_threads calls, also under graph capture: drivers from CUDA 12.3 on
+// load kernels during a capture): where more blocks would fit, a wave of the bound's size only
+// has each thread walk more rows, the shape the row walk was timed at.
 int64_t token_wave_blocks() {
   return int64_t{device_attribute(current_device(), cudaDevAttrMultiProcessorCount)} *
          kTokenBlocksPerSm;
