@@ -48,12 +48,17 @@ def test_bench_quick(tmp_path):
         assert (out / "bench.png").stat().st_size > 0
 
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench", BENCH)
+def load_script(name):
+    """benchmarks/NAME.py as a module."""
+    spec = importlib.util.spec_from_file_location(name, BENCH.parent / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules["bench"] = module  # dataclasses resolve the module by name
+    sys.modules[name] = module  # dataclasses resolve the module by name
     spec.loader.exec_module(module)
     return module
+
+
+def load_bench():
+    return load_script("bench")
 
 
 def target_rows(bench, prefill):
@@ -153,10 +158,7 @@ def test_consistency_note_flags_a_disturbed_median():
 
 def test_profile_trace_parsing(tmp_path):
     """profile_kernels.py --trace counts the kernels on the GPU's stream rows only."""
-    path = BENCH.parent / "profile_kernels.py"
-    spec = importlib.util.spec_from_file_location("profile_kernels", path)
-    profile = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(profile)
+    profile = load_script("profile_kernels")
 
     kernel = "void causal_conv::(anonymous namespace)::reduce_partials_kernel<float, float, 8, 4>(x)"
     def named(what, pid, name, tid=None):
@@ -185,10 +187,7 @@ def test_profile_trace_parsing(tmp_path):
 def test_profile_call_spans():
     """A call's span runs from its first kernel's start to its last kernel's end, so a dependent
     kernel placed while the one before it runs (its trace time holding the wait) counts once."""
-    path = BENCH.parent / "profile_kernels.py"
-    spec = importlib.util.spec_from_file_location("profile_kernels", path)
-    profile = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(profile)
+    profile = load_script("profile_kernels")
 
     def launch(name, ts, dur):
         return {"name": name, "ts": ts, "dur": dur}
