@@ -258,11 +258,11 @@ int64_t resident_threads(int block_threads) {
 // still make kBackwardMinThreads threads, or `resident` where the device holds fewer. Each tile
 // adds a prologue and a slice of dw/db partials (written, then read by the reduction; measured
 // before the launch grouped tiles into slices, see kSliceTiles), and more threads than that did
-// not move the bytes faster. On the H200, main workload (bf16 B=8 L=2048
-// D=4096 K=4, 8192 columns; kernel + reduction, us): 256-step tiles (65536 threads, about one
-// wave) 116.4-117.2, 384 122.8, 512 (32768 threads) 113.1-113.4, 1024 139.5, 2048 243; D=8192:
-// 512 217.2, 1024 (32768 threads) 215.2, 2048 268.8; B=1 L=65536: 1024 421, 2048 (32768
-// threads) 414.8, 4096 527.5 (benchmarks/RESULTS.md, fifteenth session).
+// not move the bytes faster. On the H200, main workload (bf16 B=8 L=2048 D=4096 K=4, 8192
+// columns; kernel + reduction, us): 256-step tiles (65536 threads, about one wave) 116.4-117.2,
+// 384 122.8, 512 (32768 threads) 113.1-113.4, 1024 139.5, 2048 243; D=8192: 512 217.2, 1024
+// (32768 threads) 215.2, 2048 268.8; B=1 L=65536: 1024 421, 2048 (32768 threads) 414.8, 4096
+// 527.5 (benchmarks/RESULTS.md, fifteenth session).
 constexpr int64_t kBackwardMinThreads = 32768;
 inline int64_t steps_per_thread(int64_t columns, int64_t length, int64_t resident,
                                 int64_t min_steps) {
