@@ -24,7 +24,7 @@ constexpr int kForwardBudget = 16;
 template <typename T, int K, bool kMasked>
 constexpr int forward_channel_last_min_blocks() {
   if constexpr (kMasked) return 0;
-  return K == 4 || (K == 7 && sizeof(T) == 4) ? 6 : 0;
+  return K == 4 ? 7 : (K == 7 && sizeof(T) == 4 ? 8 : 0);
 }
 
 // (B, L, D), D a multiple of C: a thread owns C channels over time_chunk steps and slides a
