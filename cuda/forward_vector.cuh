@@ -19,8 +19,11 @@ constexpr int kForwardBudget = 16;
 // Blocks of kForwardThreads per SM the channel-last forward's registers must allow (0: no bound).
 // With the activation chosen once (two copies of the step loop) ptxas took more registers than
 // before at K = 4 (bf16 80 -> 96, float 80 -> 94, f16 80) and float K = 7 (80 -> 96), a block
-// per SM fewer; capped at main's 6 blocks they take 70-72 and 61 registers (7 and 8 blocks, no
-// spills).
+// per SM fewer; capped at 6 blocks they took 70-72 and 61 registers (7 and 8 blocks, no spills).
+// With the downward pieces (two more copies, see forward_channel_last_kernel) that cap left them
+// 75 and 66 (6 and 7 blocks); capped at the 7 and 8 blocks they had, they take 72 and 64, no
+// spills, their step loops as long as before (bf16 K = 4: 253 and 173 instructions for 16
+// outputs with and without silu, 256 and 173 before).
 template <typename T, int K, bool kMasked>
 constexpr int forward_channel_last_min_blocks() {
   if constexpr (kMasked) return 0;
@@ -33,19 +36,18 @@ constexpr int forward_channel_last_min_blocks() {
 // windows SegmentSteps finds across a segment boundary or at padding run one by one, with tap
 // tests.
 //
-// The K-1 halo rows before a piece are the last rows of the piece before it in time, which an
-// earlier-started thread streams about a piece's time (some 20 us on the main workload) after
-// this one needs them: by then they have left the L2, so each halo row came from DRAM twice (3 of
-// every 59 rows read at 56-step pieces). With `alternate` (the launch sets it where a warp's
-// threads share one piece of time, see launch_vector_forward) the odd pieces of time run down
-// instead, from their last row to the first halo row: the halo of an odd piece is then read at
-// the end of its stream, when the even piece below (started alongside) reads the same rows at the
-// end of its own, and the halo of an even piece at its start, when the odd piece below starts on
-// those rows. The two reads of a halo row come close together and the second finds it in the L2.
-// A downward piece streams its halo through its ring and fills its first window from its own
-// first rows; its taps are the upward ones mirrored, in the same order, so that every output is
-// bit for bit the one the upward piece would compute. Odd pieces start at time_chunk >= K - 1, so
-// their halos never reach before time 0 (the initial state).
+// The K-1 halo rows before a piece are the last rows of the piece before it in time, which a
+// thread started alongside streams about a piece's time later (some 24 us on the main workload,
+// about 90 MB of DRAM traffic through a 50 MB L2): so each halo row is read from DRAM twice
+// where the L2 has not kept it, 3 of every 59 rows a thread reads at 56-step pieces. With `alternate` (set by the launch where a
+// warp's threads share one piece of time, see launch_vector_forward) the odd pieces of time run
+// down instead, from their last row to the first of their halo: an odd piece then reads its
+// halo at the end of its stream, when the even piece below reads the same rows at the end of its
+// own, and an even piece reads its halo at its start, when the odd piece below starts on those
+// rows, so that the second read of each halo row finds it in the L2. A downward piece streams its
+// halo through its ring and fills its first window from its own first rows; it takes the taps in
+// the upward order, so that its outputs are bit for bit the upward ones. Odd pieces start at
+// time_chunk >= K - 1, so their halos never reach before time 0 (the initial state).
 template <typename T, int K, bool kMasked>
 __global__ void __launch_bounds__(kForwardThreads, forward_channel_last_min_blocks<T, K, kMasked>())
     forward_channel_last_kernel(ConvParams p, int64_t time_chunk, bool alternate) {
