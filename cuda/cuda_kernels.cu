@@ -330,7 +330,11 @@ bool launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
     const int64_t threads = columns * ((p.length + time_chunk - 1) / time_chunk);
     const int64_t blocks =
         std::min(kMaxGridBlocks, (threads + kForwardThreads - 1) / kForwardThreads);
-    kernel<<<blocks, kForwardThreads, 0, stream>>>(p, time_chunk);
+    // Odd pieces run down where a warp's 32 threads take packs of one piece (a row's packs whole
+    // runs of 32), so that a warp never holds both directions, and their halos lie at or after
+    // time 0.
+    const bool alternate = (p.channels / C) % kLanes == 0 && time_chunk >= K - 1;
+    kernel<<<blocks, kForwardThreads, 0, stream>>>(p, time_chunk, alternate);
     return false;
   }
   if (const int group = short_row_group(p.length, kPack<T>); group > 0) {

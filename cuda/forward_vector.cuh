@@ -19,12 +19,15 @@ constexpr int kForwardBudget = 16;
 // Blocks of kForwardThreads per SM the channel-last forward's registers must allow (0: no bound).
 // With the activation chosen once (two copies of the step loop) ptxas took more registers than
 // before at K = 4 (bf16 80 -> 96, float 80 -> 94, f16 80) and float K = 7 (80 -> 96), a block
-// per SM fewer; capped at main's 6 blocks they take 70-72 and 61 registers (7 and 8 blocks, no
-// spills).
+// per SM fewer; capped at 6 blocks they took 70-72 and 61 registers (7 and 8 blocks, no spills).
+// With the downward pieces (two more copies, see forward_channel_last_kernel) that cap left them
+// 75 and 66 (6 and 7 blocks); capped at the 7 and 8 blocks they had, they take 72 and 64, no
+// spills, their step loops as long as before (bf16 K = 4: 253 and 173 instructions for 16
+// outputs with and without silu, 256 and 173 before).
 template <typename T, int K, bool kMasked>
 constexpr int forward_channel_last_min_blocks() {
   if constexpr (kMasked) return 0;
-  return K == 4 || (K == 7 && sizeof(T) == 4) ? 6 : 0;
+  return K == 4 ? 7 : (K == 7 && sizeof(T) == 4 ? 8 : 0);
 }
 
 // (B, L, D), D a multiple of C: a thread owns C channels over time_chunk steps and slides a
@@ -32,9 +35,23 @@ constexpr int forward_channel_last_min_blocks() {
 // unrolled K times, so that the window shifts are register renaming. With seq_idx, the steps whose
 // windows SegmentSteps finds across a segment boundary or at padding run one by one, with tap
 // tests.
+//
+// The K-1 halo rows before a piece are the last rows of the piece before it in time, which a
+// thread started alongside streams about a piece's time later (some 24 us on the main workload,
+// about 90 MB of DRAM traffic through a 50 MB L2): so each halo row is read from DRAM twice
+// where the L2 has not kept it, 3 of every 59 rows a thread reads at 56-step pieces. With
+// `alternate` (set by the launch where a warp's threads share one piece of time, see
+// launch_vector_forward) the odd pieces of time run down instead, from their last row to the
+// first of their halo: an odd piece then reads its halo at the end of its stream, when the even
+// piece below reads the same rows at the end of its own, and an even piece reads its halo at its
+// start, when the odd piece below starts on those rows, so that the second read of each halo row
+// finds it in the L2. A downward piece streams its halo through its ring and fills its first
+// window from its own first rows; it takes the taps in the upward order, so that its outputs are
+// bit for bit the upward ones. Odd pieces start at time_chunk >= K - 1, so their halos never
+// reach before time 0 (the initial state).
 template <typename T, int K, bool kMasked>
 __global__ void __launch_bounds__(kForwardThreads, forward_channel_last_min_blocks<T, K, kMasked>())
-    forward_channel_last_kernel(ConvParams p, int64_t time_chunk) {
+    forward_channel_last_kernel(ConvParams p, int64_t time_chunk, bool alternate) {
   constexpr int C = channels_per_thread<T, K, kForwardBudget>();
   constexpr int P = K - 1;
   using Row = RawFor<T, C>;
@@ -50,57 +67,81 @@ __global__ void __launch_bounds__(kForwardThreads, forward_channel_last_min_bloc
     const int64_t chunk = (i / packs) % chunks, b = i / (packs * chunks);
     const int64_t t0 = chunk * time_chunk;
     const int steps = static_cast<int>(std::min(time_chunk, p.length - t0));
-    const int64_t first = (b * p.length + t0) * p.channels + d0;
-    const T* x_next = static_cast<const T*>(p.x) + first;  // the row of the next fetch
-    T* y_row = static_cast<T*>(p.y) + first;
-    const auto fetch = [&](int step) {
-      x_ring.fetch(step, x_next, step < steps);
-      ring_commit();
-      x_next += p.channels;
-    };
-    for (int step = 0; step < kForwardDepth; ++step) fetch(step);
-    float w[K][C], bias[C];
-    load_weights(conv, b, d0, w, bias);
-    float window[K][C];  // window[k] holds x_{t-P+k}
-    load_window_before(conv, b, t0, d0, window);
-    using Segments = SegmentSteps<K, C>;
-    const Segments segments{p, b, t0, d0, steps};
-    // One step, with the taps of SegmentSteps: the constant kAllTaps leaves no tap test. silu:
-    // p.silu, or on the uniform steps std::true_type or std::false_type, chosen once around them.
-    const auto step_at = [&](int step, uint32_t taps, auto silu) {
-      ring_wait<kForwardDepth - 1>();
-      widen(x_ring.template read<T, C>(step), window[P]);
-      fetch(step + kForwardDepth);  // into the slots just read
-      float out[C];
-      for (int c = 0; c < C; ++c) {
-        float z = bias[c];
-        for (int k = 0; k < K; ++k) {
-          const float tap = fmaf(w[k][c], window[k][c], z);
-          z = Segments::has(taps, k) ? tap : z;
-        }
-        out[c] = Segments::has(taps, P) ? activate(z, silu) : 0.0f;
-      }
-      store_vec(y_row, narrow<T, C>(out));
-      y_row += p.channels;
-      slide_windows<K, C>(window);
-    };
-    const auto uniform = [&](int begin, int end) {
-      if constexpr (kMasked && sizeof(T) == 2 && K == 7) {
-        // Chosen here, the activation took this kernel from 96 registers to 115-120 (a block
-        // per SM fewer), and capped at 96 it spilled 40 bytes.
-        run_steps<K>(begin, end, [&](int step) { step_at(step, Segments::kAllTaps, p.silu); });
+    // down: std::true_type for a piece streamed from its last row down (see above).
+    const auto piece = [&](auto down) {
+      constexpr bool kDown = decltype(down)::value;
+      // Rows streamed: up, the piece's; down, the piece's from the last and then its halo.
+      const int rows = kDown ? steps + P : steps;
+      const int64_t first = (b * p.length + (kDown ? t0 + steps - 1 : t0)) * p.channels + d0;
+      const T* x_next = static_cast<const T*>(p.x) + first;  // the row of the next fetch
+      T* y_row = static_cast<T*>(p.y) + first;
+      const auto advance = [&](auto*& row) { row = kDown ? row - p.channels : row + p.channels; };
+      const auto fetch = [&](int step) {
+        x_ring.fetch(step, x_next, step < rows);
+        ring_commit();
+        advance(x_next);
+      };
+      for (int step = 0; step < kForwardDepth; ++step) fetch(step);
+      float w[K][C], bias[C];
+      load_weights(conv, b, d0, w, bias);
+      // Up, window[k] holds x_{t-P+k} at the output of time t; down, x_{t-k}: tap k reads
+      // window[tap(k)] either way.
+      float window[K][C];
+      const auto tap = [](int k) { return kDown ? P - k : k; };
+      // Step's row from the ring into `row`, its slot refilled.
+      const auto take = [&](int step, float(&row)[C]) {
+        ring_wait<kForwardDepth - 1>();
+        widen(x_ring.template read<T, C>(step), row);
+        fetch(step + kForwardDepth);
+      };
+      if constexpr (kDown) {
+        for (int step = 0; step < P; ++step) take(step, window[step]);
       } else {
-        with_bool_constant(p.silu, [&](auto silu) {
-          run_steps<K>(begin, end, [&](int step) { step_at(step, Segments::kAllTaps, silu); });
-        });
+        load_window_before(conv, b, t0, d0, window);
+      }
+      using Segments = SegmentSteps<K, C>;
+      const Segments segments{p, b, t0, d0, steps};
+      // One step, with the taps of SegmentSteps: the constant kAllTaps leaves no tap test. silu:
+      // p.silu, or on the uniform steps std::true_type or std::false_type, chosen once around
+      // them.
+      const auto step_at = [&](int step, uint32_t taps, auto silu) {
+        take(step, window[P]);
+        float out[C];
+        for (int c = 0; c < C; ++c) {
+          float z = bias[c];
+          for (int k = 0; k < K; ++k) {
+            const float product = fmaf(w[k][c], window[tap(k)][c], z);
+            z = Segments::has(taps, k) ? product : z;
+          }
+          out[c] = Segments::has(taps, P) ? activate(z, silu) : 0.0f;
+        }
+        store_vec(y_row, narrow<T, C>(out));
+        advance(y_row);
+        slide_windows<K, C>(window);
+      };
+      const auto uniform = [&](int begin, int end) {
+        if constexpr (kMasked && sizeof(T) == 2 && K == 7) {
+          // Chosen here, the activation took this kernel from 96 registers to 115-120 (a block
+          // per SM fewer), and capped at 96 it spilled 40 bytes.
+          run_steps<K>(begin, end, [&](int step) { step_at(step, Segments::kAllTaps, p.silu); });
+        } else {
+          with_bool_constant(p.silu, [&](auto silu) {
+            run_steps<K>(begin, end, [&](int step) { step_at(step, Segments::kAllTaps, silu); });
+          });
+        }
+      };
+      if constexpr (kMasked) {
+        // The forward has no edge steps: every other step is one that needs the tap tests.
+        segments.run(0, steps, 0, steps, uniform,
+                     [&](int step, bool) { step_at(step, segments.taps(step), p.silu); });
+      } else {
+        uniform(kDown ? P : 0, rows);
       }
     };
     if constexpr (kMasked) {
-      // The forward has no edge steps: every other step is one that needs the tap tests.
-      segments.run(0, steps, 0, steps, uniform,
-                   [&](int step, bool) { step_at(step, segments.taps(step), p.silu); });
+      piece(std::false_type{});
     } else {
-      uniform(0, steps);
+      with_bool_constant(alternate && chunk % 2 == 1, piece);
     }
   }
 }

@@ -168,6 +168,21 @@ def test_grouped_tiles(dev, dtype, width, masked):
     compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BLD", final="random")
 
 
+# The channel-last forward's downward pieces: the odd pieces of time run from their last row down
+# through their halo where a row's packs are whole runs of 32 (D = 256 for every dtype and width),
+# here 8-step pieces; L = 650 ends in an odd piece of 2 steps, shorter than the halo from K = 4
+# on, and only piece 0 (upward) reads the initial state.
+@pytest.mark.parametrize("state", [False, True], ids=["no_state", "state"])
+@pytest.mark.parametrize("width", range(2, 9))
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dev", GPU)
+def test_downward_pieces(dev, dtype, width, state):
+    rng = np.random.default_rng(width)
+    args, _ = inputs(rng, dtype, batch=2, length=650, channels=256, width=width, layout="BLD",
+                     state=state)
+    compare(dev, rng, args, None, dtype, activation="silu", layout="BLD", final="random")
+
+
 # The same blocks under weight groups (vmapped parameters over one x: 3 groups of 2 batch rows),
 # whose dw/db the reduction sums over each group's rows and slices.
 @pytest.mark.parametrize("dev", GPU)
