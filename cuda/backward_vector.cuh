@@ -45,17 +45,18 @@ constexpr int backward_min_blocks() {
 }
 
 // Whether the channel-last backward reads a step's rows from its rings one step early and sums a
-// dx's taps oldest delta first: the kernels without a register cap (16-bit K >= 5, 148-204
-// registers; the main launch puts 2 blocks on an SM, 2 warps per scheduler). Their step is one
-// dependency chain in issue order (ring wait, shared load, pre-activation, silu's two MUFU ops,
-// delta, K multiply-adds of dx, store), and at K = 5 to 8 the backward took 0.91-0.98 us per SASS
-// instruction of an interior step, about 0.6 instructions a cycle per scheduler (sixteenth
-// session, benchmarks/RESULTS.md): the early read takes the shared load off the chain and the
-// order leaves one multiply-add of a dx after its step's delta instead of K. The kernels at the
-// register cap keep their code (the read costs 4 registers).
-template <typename T, int K>
+// dx's taps oldest delta first. A step is one dependency chain in issue order (ring wait, shared
+// load, pre-activation, silu's two MUFU ops, delta, K multiply-adds of dx, store), and the main
+// launch puts 2 blocks on an SM, 2 warps per scheduler: at K = 4 to 7 (16-bit) the backward took
+// 0.91-0.98 us per SASS instruction of an interior step, about 0.6 instructions a cycle per
+// scheduler (sixteenth session, benchmarks/RESULTS.md). The early read takes the shared load off
+// the chain, the order all but one multiply-add of a dx. The next rows take registers (2 x C
+// values): the 16-bit kernels read ahead where that does not spill, those without seq_idx and
+// those without a register cap (K >= 5); at the cap of 128 the masked 16-bit K = 2 and 4 and
+// float K = 4 spilled 4-124 bytes with it.
+template <typename T, int K, bool kMasked>
 constexpr bool backward_reads_ahead() {
-  return backward_min_blocks<T, K>() == 1;
+  return sizeof(T) == 2 && (!kMasked || backward_min_blocks<T, K>() == 1);
 }
 
 // (B, L, D), D a multiple of C. A thread owns C channels over one tile [t0, t1) and streams s from
@@ -80,7 +81,7 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
   using Row = RawFor<T, C>;
   constexpr int kDepth = kBackwardRingBytes / static_cast<int>(sizeof(Row));
   constexpr int kRingSlots = kDepth * kBackwardThreads;
-  constexpr bool kAhead = backward_reads_ahead<T, K>();
+  constexpr bool kAhead = backward_reads_ahead<T, K, kMasked>();
   static_assert(!kAhead || kDepth >= 2, "a read ahead leaves the ring a row in flight");
   // The x ring, then the dy ring; once a grouped block's steps are done, its warps' dw/db sums.
   __shared__ Row slots[2 * kRingSlots];
