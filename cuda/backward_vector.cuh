@@ -44,6 +44,21 @@ constexpr int backward_min_blocks() {
   return kWeights <= 8 ? 5 : kWeights <= 16 ? 4 : 1;
 }
 
+// Whether the channel-last backward reads a step's rows from its rings one step early and sums a
+// dx's taps oldest delta first. A step is one dependency chain in issue order (ring wait, shared
+// load, pre-activation, silu's two MUFU ops, delta, K multiply-adds of dx, store), and the main
+// launch puts 2 blocks on an SM, 2 warps per scheduler: at K = 4 to 7 (16-bit) the backward took
+// 0.91-0.98 us per SASS instruction of an interior step, about 0.6 instructions a cycle per
+// scheduler (sixteenth session, benchmarks/RESULTS.md). The early read takes the shared load off
+// the chain, the order all but one multiply-add of a dx. The next rows take registers (2 x C
+// values): the 16-bit kernels read ahead where that does not spill, those without seq_idx and
+// those without a register cap (K >= 5); at the cap of 128 the masked 16-bit K = 2 and 4 and
+// float K = 4 spilled 4-124 bytes with it.
+template <typename T, int K, bool kMasked>
+constexpr bool backward_reads_ahead() {
+  return sizeof(T) == 2 && (!kMasked || backward_min_blocks<T, K>() == 1);
+}
+
 // (B, L, D), D a multiple of C. A thread owns C channels over one tile [t0, t1) and streams s from
 // t0 to t1 + P - 1 with K-row register windows of x and delta. At step s it finishes delta_s, adds
 // delta_s's dw/db terms when it owns s, and emits dx_{s-P}, whose deltas (s-P .. s) are all in the
@@ -66,6 +81,8 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
   using Row = RawFor<T, C>;
   constexpr int kDepth = kBackwardRingBytes / static_cast<int>(sizeof(Row));
   constexpr int kRingSlots = kDepth * kBackwardThreads;
+  constexpr bool kAhead = backward_reads_ahead<T, K, kMasked>();
+  static_assert(!kAhead || kDepth >= 2, "a read ahead leaves the ring a row in flight");
   // The x ring, then the dy ring; once a grouped block's steps are done, its warps' dw/db sums.
   __shared__ Row slots[2 * kRingSlots];
   const RowRing<kDepth, Row, kBackwardThreads> x_ring{slots}, dy_ring{slots + kRingSlots};
@@ -104,6 +121,17 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
         next_row += p.channels;
       };
       for (int step = 0; step < kDepth; ++step) fetch(step);
+      // With kAhead, the next step's rows. A row that was not fetched (past live_steps) holds an
+      // older row's bytes or none: its step does not use it.
+      Row x_next, dy_next;
+      const auto read_rows = [&](int step) {
+        x_next = x_ring.read(step);
+        dy_next = dy_ring.read(step);
+      };
+      if constexpr (kAhead) {
+        ring_wait<kDepth - 1>();
+        read_rows(0);
+      }
       float w[K][C], bias[C];
       load_weights(conv, b, d0, w, bias);
       float x[K][C], delta[K][C] = {};
@@ -118,14 +146,27 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
         const int64_t s = t0 + step;
         const bool live = kInterior || step < live_steps;
         float dy[C];
-        ring_wait<kDepth - 1>();
-        if (live) {
-          widen(x_ring.template read<T, C>(step), x[P]);
-          widen(dy_ring.template read<T, C>(step), dy);
+        if constexpr (kAhead) {
+          const Row x_row = x_next, dy_row = dy_next;
+          ring_wait<kDepth - 2>();
+          read_rows(step + 1);
+          fetch(step + kDepth);  // into the slots read by the step before
+          if (live) {
+            widen(from_raw<T, C>(x_row), x[P]);
+            widen(from_raw<T, C>(dy_row), dy);
+          } else {
+            for (int c = 0; c < C; ++c) x[P][c] = dy[c] = 0.0f;
+          }
         } else {
-          for (int c = 0; c < C; ++c) x[P][c] = dy[c] = 0.0f;
+          ring_wait<kDepth - 1>();
+          if (live) {
+            widen(x_ring.template read<T, C>(step), x[P]);
+            widen(dy_ring.template read<T, C>(step), dy);
+          } else {
+            for (int c = 0; c < C; ++c) x[P][c] = dy[c] = 0.0f;
+          }
+          fetch(step + kDepth);  // into the slots just read
         }
-        fetch(step + kDepth);  // into the slots just read
         const bool output = live && Segments::has(taps, P);
         for (int c = 0; c < C; ++c) {
           float z = bias[c];
@@ -152,7 +193,8 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
           float g[C];
           for (int c = 0; c < C; ++c) {
             g[c] = 0.0f;
-            for (int k = 0; k < K; ++k) {
+            for (int j = 0; j < K; ++j) {
+              const int k = kAhead ? P - j : j;
               const bool used = (outputs_exist || (s - k >= 0 && s - k < p.length)) &&
                                 Segments::has(taps, Segments::kInputTaps + k);
               g[c] = used ? fmaf(w[k][c], delta[P - k][c], g[c]) : g[c];
