@@ -740,7 +740,7 @@ __device__ __forceinline__ bool short_row_segments(const int32_t* row, const Sho
 
 // The time of `work` threads (or warps) of `length` steps each when the device holds `resident`
 // at once: whole waves x (length + overhead), a partial last wave costing a whole one. The launch
-// rules below and in cuda_kernels.cu compare cuts of the time axis by it.
+// rules below and in forward_cuda.cu compare cuts of the time axis by it.
 inline int64_t waves_cost(int64_t work, int64_t resident, int64_t length, int64_t overhead) {
   return (work + resident - 1) / resident * (length + overhead);
 }

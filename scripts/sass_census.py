@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Counts a CUDA kernel's SASS instructions by kind, loop by loop, without a GPU.
 
-Compiles the CUDA module's kernels to a cubin for one architecture, disassembles the kernels
-whose demangled names match --kernel with cuobjdump, finds their loops (a predicated branch back
-to an earlier address) and prints, for each loop of at least --min-loop instructions, its size
-and its instructions by kind (FP32 arithmetic, MUFU, conversions, shuffles, moves, address
+Compiles the conv kernels' CUDA files (or --source) to cubins for one architecture, disassembles
+the kernels whose demangled names match --kernel with cuobjdump, finds their loops (a predicated
+branch back to an earlier address) and prints, for each loop of at least --min-loop instructions,
+its size and its instructions by kind (FP32 arithmetic, MUFU, conversions, shuffles, moves, address
 arithmetic, memory, ...), also divided by --per (the elements a lane handles per iteration, to
 compare with ncu's instructions executed per element). The whole kernel's count comes last.
 
@@ -119,29 +119,37 @@ def disassemble(cuobjdump: str, path: str) -> str:
 
 
 def compile_and_disassemble(args: argparse.Namespace, parser: argparse.ArgumentParser):
-    """The SASS of --source compiled for --arch, or None (nvcc's errors printed) if it fails."""
+    """The SASS of each --source compiled for --arch, or None (nvcc's errors printed) if one
+    fails."""
     try:
         import jaxlib  # noqa: F401  (the XLA FFI headers ship with jaxlib)
         ffi_include = os.path.join(os.path.dirname(jaxlib.__file__), "include")
     except ImportError:
         parser.error("jaxlib is not importable: its include directory has the XLA FFI headers")
+    sass = []
     with tempfile.TemporaryDirectory() as tmp:
-        cubin = os.path.join(tmp, "kernels.cubin")
-        built = subprocess.run([args.nvcc, "-O3", "-std=c++17", "--expt-relaxed-constexpr",
-                                f"-arch={args.arch}", "-cubin", "-I", os.path.join(ROOT, "cuda"),
-                                "-I", ffi_include, args.source, "-o", cubin],
-                               capture_output=True, text=True)
-        if built.returncode != 0:  # its warnings (the XLA FFI headers have some) only then
-            print(built.stderr, file=sys.stderr)
-            return None
-        return disassemble(args.cuobjdump, cubin)
+        for source in args.source:
+            cubin = os.path.join(tmp, os.path.basename(source) + ".cubin")
+            built = subprocess.run([args.nvcc, "-O3", "-std=c++17", "--expt-relaxed-constexpr",
+                                    f"-arch={args.arch}", "-cubin",
+                                    "-I", os.path.join(ROOT, "cuda"), "-I", ffi_include, source,
+                                    "-o", cubin],
+                                   capture_output=True, text=True)
+            if built.returncode != 0:  # its warnings (the XLA FFI headers have some) only then
+                print(built.stderr, file=sys.stderr)
+                return None
+            sass.append(disassemble(args.cuobjdump, cubin))
+    return "\n".join(sass)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kernel", required=True,
                         help="a regular expression searched in the demangled kernel names")
-    parser.add_argument("--source", default=os.path.join(ROOT, "cuda", "cuda_kernels.cu"))
+    parser.add_argument("--source", nargs="+",
+                        default=[os.path.join(ROOT, "cuda", f"{op}_cuda.cu")
+                                 for op in ("forward", "backward")],
+                        help="the CUDA files to compile (default: the conv kernels' two)")
     parser.add_argument("--object", default=None,
                         help="an object file or cubin to disassemble instead of compiling --source")
     parser.add_argument("--arch", default="sm_90")

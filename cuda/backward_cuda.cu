@@ -1,35 +1,30 @@
-// CUDA kernels and their XLA FFI handlers, on top of the conv math in conv_math.h.
-//
-// Compile-time widths (K <= 8) with float or half x and 16-byte aligned buffers take the vectorized
-// kernels of forward_vector.cuh and backward_vector.cuh. The generic kernels here cover the rest:
-// Forward: one thread per output element, walked in memory order (coalesced in both layouts).
-// Backward: a block owns a (batch row, time tile, channel chunk). It keeps delta for its tile plus
-// the right halo of P rows in shared memory, writes dx only for the times it owns (and dS on the
-// first tile), and writes its dw/db sums for the times it owns to a scratch workspace. A second
-// kernel reduces the workspace in a fixed order, so dw and db are bitwise deterministic. The
-// workspace is an extra output of the custom call (XLA allocates it with the other buffers), sized
-// by backward_workspace_elements, which Python asks for at lowering time.
+// The backward's CUDA kernels, launchers and XLA FFI handler, on top of the conv math in
+// conv_math.h. Compile-time widths (K <= 8) with float or half x and 16-byte aligned buffers take
+// the vectorized kernels of backward_vector.cuh. The generic kernel here covers the rest: a block
+// owns a (batch row, time tile, channel chunk). It keeps delta for its tile plus the right halo of
+// P rows in shared memory, writes dx only for the times it owns (and dS on the first tile), and
+// writes its dw/db sums for the times it owns to a scratch workspace. A second kernel reduces the
+// workspace in a fixed order, so dw and db are bitwise deterministic. The workspace is an extra
+// output of the custom call (XLA allocates it with the other buffers), sized by
+// backward_workspace_elements, which Python asks for at lowering time.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <string>
 #include <type_traits>
 
 #include "backward_vector.cuh"
 #include "conv_math.h"
+#include "cuda_launch.cuh"
 #include "cuda_vector.cuh"
 #include "ffi_common.h"
-#include "forward_vector.cuh"
 
 namespace causal_conv {
 namespace {
 
 constexpr int64_t kTileLen = 64;
-constexpr int64_t kMaxGridBlocks = int64_t{1} << 20;
 
 int64_t tile_count(int64_t length) {
   return std::max<int64_t>(1, (length + kTileLen - 1) / kTileLen);
@@ -39,32 +34,6 @@ int64_t tile_count(int64_t length) {
 template <typename A>
 constexpr int64_t tile_channels() {
   return sizeof(A) == 8 ? 16 : 32;
-}
-
-int64_t grid_for(int64_t points) {
-  return std::max<int64_t>(1, std::min(kMaxGridBlocks, (points + kThreads - 1) / kThreads));
-}
-
-template <typename T, typename A, int kWidth>
-__global__ void forward_kernel(ConvParams p) {
-  const Conv<T, A, kWidth> conv{p};
-  const int64_t points = p.batch * p.length * p.channels;
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < points;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const Point q = point_at(i, p.length, p.channels, p.channel_last);
-    conv.store_x_like(p.y, q.b, q.t, q.d, conv.output(q.b, q.t, q.d));
-  }
-}
-
-template <typename T, typename A, int kWidth>
-__global__ void final_state_kernel(ConvParams p) {
-  const Conv<T, A, kWidth> conv{p};
-  const int64_t points = p.batch * conv.state_len() * p.channels;
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < points;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const Point q = point_at(i, conv.state_len(), p.channels, p.channel_last);
-    conv.store_state_like(p.final_state, q.b, q.t, q.d, conv.final_state(q.b, q.t, q.d));
-  }
 }
 
 // Row r and channel c of a (rows x channels) tile for linear index i: channels fastest for the
@@ -208,50 +177,6 @@ void launch_reduce(cudaStream_t stream, const ConvParams& p, const A* partials, 
                    dbias);
 }
 
-// Whether the vectorized kernels apply: a compile-time width, float or half x, packs that tile
-// the contiguous dimension, and 16-byte aligned buffers (the gradients' too in the backward).
-template <typename T, int kWidth>
-bool vector_applies(const ConvParams& p, bool backward) {
-  if constexpr (kWidth == 0 || std::is_same_v<T, double>) {
-    return false;
-  } else {
-    const int64_t contiguous = p.channel_last ? p.channels : p.length;
-    const bool forward_ok = contiguous % kPack<T> == 0 && aligned16(p.x) && aligned16(p.y) &&
-                            (p.initial_state == nullptr || aligned16(p.initial_state)) &&
-                            (p.seq_idx == nullptr || aligned16(p.seq_idx));
-    const bool state_ok = p.dinitial_state == nullptr || aligned16(p.dinitial_state);
-    return forward_ok && (!backward || (aligned16(p.dy) && aligned16(p.dx) && state_ok));
-  }
-}
-
-// Blocks of kChannelFirstThreads for a kernel in which each warp takes whole items (channel-first
-// rows or pieces of them).
-int64_t grid_for_warps(int64_t items) {
-  const int64_t blocks = (items * kLanes + kChannelFirstThreads - 1) / kChannelFirstThreads;
-  return std::max<int64_t>(1, std::min(kMaxGridBlocks, blocks));
-}
-
-// Threads of kKernel (launched in blocks of block_threads) that the device holds at once, or 0 if
-// the runtime cannot say. Cached per device: the occupancy query costs host time on every launch.
-template <auto kKernel>
-int64_t resident_threads(int block_threads) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int64_t> cached[kMaxDevices] = {};
-  const int device = current_device();
-  if (device < 0 || device >= kMaxDevices) return 0;
-  if (const int64_t known = cached[device].load(std::memory_order_relaxed); known > 0) return known;
-  const int sms = device_attribute(device, cudaDevAttrMultiProcessorCount);
-  int blocks = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, block_threads, 0) !=
-      cudaSuccess) {
-    cudaGetLastError();  // a failed query must not surface as the launch's error
-    return 0;
-  }
-  const int64_t resident = int64_t{sms} * blocks * block_threads;
-  cached[device].store(resident, std::memory_order_relaxed);
-  return resident;
-}
-
 // Time steps per thread (a tile) for the channel-last backward, whose threads each stream one
 // column (batch row, channel pack) over a tile of the time axis: the longest tiles (at least
 // min_steps; the launch passes kTileLen, as the workspace holds tile_count(L) slices a row) that
@@ -272,83 +197,6 @@ inline int64_t steps_per_thread(int64_t columns, int64_t length, int64_t residen
   const int64_t per_piece = std::max<int64_t>(columns, 1);
   const int64_t pieces = std::max<int64_t>(1, (threads + per_piece - 1) / per_piece);
   return std::min(kMaxSteps, std::max(min_steps, (length + pieces - 1) / pieces));
-}
-
-// Blocks for a channel-first short-row kernel (rows of at most 32 packs, group lanes each): a
-// warp per item of 32 / group rows, but no more warps than the device holds at once, so that each
-// takes its items in turn with the next ones' rows in flight.
-template <auto kKernel>
-int64_t short_row_blocks(const ConvParams& p, int group) {
-  const int64_t rows_per_item = kLanes / group;
-  int64_t warps = (p.batch * p.channels + rows_per_item - 1) / rows_per_item;
-  if (const int64_t resident = resident_threads<kKernel>(kThreads); resident > 0) {
-    warps = std::min(warps, resident / kLanes);
-  }
-  return std::max<int64_t>(1, std::min(kMaxGridBlocks, (warps * kLanes + kThreads - 1) / kThreads));
-}
-
-// channel_first_chunk for kKernel's launch: its warp items of one chunk per row, and the warps the
-// device holds of it.
-template <auto kKernel, typename T, bool kMasked>
-int64_t channel_first_chunk_for(const ConvParams& p, int64_t max_segments) {
-  const int64_t resident_warps = resident_threads<kKernel>(kChannelFirstThreads) / kLanes;
-  return channel_first_chunk(channel_first_items<kMasked>(p, 1), p.length, kLanes * kPack<T>,
-                             resident_warps, max_segments);
-}
-
-// Time steps per channel-last forward thread: 64 (fewer prologues: weights, halo rows, the ring's
-// first wait; 64 against 32 took the main workload from 104 to 85 us; pieces sized to one wave,
-// 171 steps, were slower: 90.6 against 82.6 us), halved down to 8 while that leaves fewer than
-// 32768 threads (B=8 L=2048 D=256, 512 columns: 32-step pieces 7.5 us, 16-step 7.8, 8-step 10.8).
-// Where 64 stays, the length from 48 to 64 with the fewest whole waves of `resident` threads x
-// (steps + halo): the main workload's 64-step pieces make 2.59 waves, its last 60% full, and
-// 56-step ones 2.99 (73.2 -> 72.3 us, kernel time).
-inline int64_t forward_time_chunk(int64_t columns, int64_t length, int64_t resident, int64_t halo) {
-  constexpr int64_t kLongest = 64, kShortest = 8, kFitFrom = 48, kMinThreads = 32768;
-  const auto threads_for = [&](int64_t chunk) { return columns * ((length + chunk - 1) / chunk); };
-  int64_t chunk = kLongest;
-  while (chunk > kShortest && threads_for(chunk) < kMinThreads) chunk /= 2;
-  if (chunk < kLongest || resident <= 0) return chunk;
-  const auto cost = [&](int64_t steps) {
-    return waves_cost(threads_for(steps), resident, steps, halo);
-  };
-  for (int64_t steps = kFitFrom; steps < kLongest; ++steps) {
-    if (cost(steps) < cost(chunk)) chunk = steps;
-  }
-  return chunk;
-}
-
-// Returns whether the kernel wrote the final state (channel_first_forward_final_state).
-template <typename T, int K, bool kMasked>
-bool launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
-  if (p.channel_last) {
-    constexpr int C = channels_per_thread<T, K, kForwardBudget>();
-    constexpr auto kernel = forward_channel_last_kernel<T, K, kMasked>;
-    const int64_t columns = p.batch * (p.channels / C);
-    const int64_t time_chunk = forward_time_chunk(columns, p.length,
-                                                  resident_threads<kernel>(kForwardThreads), K - 1);
-    const int64_t threads = columns * ((p.length + time_chunk - 1) / time_chunk);
-    const int64_t blocks =
-        std::min(kMaxGridBlocks, (threads + kForwardThreads - 1) / kForwardThreads);
-    // Odd pieces run down where a warp's 32 threads take packs of one piece (a row's packs whole
-    // runs of 32), so that a warp never holds both directions, and their halos lie at or after
-    // time 0.
-    const bool alternate = (p.channels / C) % kLanes == 0 && time_chunk >= K - 1;
-    kernel<<<blocks, kForwardThreads, 0, stream>>>(p, time_chunk, alternate);
-    return false;
-  }
-  if (const int group = short_row_group(p.length, kPack<T>); group > 0) {
-    constexpr auto kernel = forward_short_rows_kernel<T, K>;
-    kernel<<<short_row_blocks<kernel>(p, group), kThreads, 0, stream>>>(p, group);
-    return false;
-  }
-  constexpr auto kernel = forward_channel_first_kernel<T, K, kMasked>;
-  const int64_t chunk_len =
-      channel_first_chunk_for<kernel, T, kMasked>(p, forward_item_segments<kMasked>());
-  const ChannelFirstSplit split(p, chunk_len, channels_per_item<kMasked>());
-  const int64_t items = channel_first_items<kMasked>(p, split.chunks.d);
-  kernel<<<grid_for_warps(items), kChannelFirstThreads, 0, stream>>>(p, split);
-  return channel_first_forward_final_state<T, K, kMasked>();
 }
 
 // Launches dx, dS and the dw/db partials; returns the partial slices per batch row.
@@ -385,37 +233,6 @@ int64_t launch_vector_backward(cudaStream_t stream, const ConvParams& p, float* 
   const int64_t items = channel_first_items<kMasked>(p, split.chunks.d);
   kernel<<<grid_for_warps(items), kChannelFirstThreads, 0, stream>>>(p, partials, split);
   return split.chunks.d;
-}
-
-// y: the vectorized kernels where they apply, else one thread per element. final_state_done: set
-// where the kernel also wrote the final state.
-template <typename T, typename A, int kWidth>
-ffi::Error launch_output(cudaStream_t stream, const ConvParams& p, bool& final_state_done) {
-  const int64_t points = p.batch * p.length * p.channels;
-  if (points == 0) return ffi::Error::Success();
-  if constexpr (std::is_same_v<A, float> && kWidth > 0) {
-    if (vector_applies<T, kWidth>(p, false)) {
-      final_state_done = p.seq_idx != nullptr ? launch_vector_forward<T, kWidth, true>(stream, p)
-                                              : launch_vector_forward<T, kWidth, false>(stream, p);
-      return cuda_status("vectorized forward kernel");
-    }
-  }
-  forward_kernel<T, A, 0><<<grid_for(points), kThreads, 0, stream>>>(p);
-  return cuda_status("forward kernel");
-}
-
-template <typename T, typename A, int kWidth>
-ffi::Error launch_forward(cudaStream_t stream, const ConvParams& p) {
-  bool final_state_done = false;
-  if (auto err = launch_output<T, A, kWidth>(stream, p, final_state_done); err.failure()) {
-    return err;
-  }
-  const int64_t state_points = p.batch * (p.width - 1) * p.channels;
-  if (p.final_state != nullptr && state_points > 0 && !final_state_done) {
-    final_state_kernel<T, A, 0><<<grid_for(state_points), kThreads, 0, stream>>>(p);
-    return cuda_status("final state kernel");
-  }
-  return ffi::Error::Success();
 }
 
 // Launches the dw/db partial sums (and dx, dS) kernel; returns how many partial slices per batch
@@ -466,26 +283,6 @@ ffi::Error launch_backward(cudaStream_t stream, const ConvParams& p, void* dweig
   return cuda_status("reduce kernel");
 }
 
-ffi::Error forward_handler(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight,
-                           ffi::AnyBuffer bias, ffi::AnyBuffer initial_state,
-                           ffi::Buffer<ffi::S32> seq_idx, ffi::Result<ffi::AnyBuffer> y,
-                           ffi::Result<ffi::AnyBuffer> final_state, bool silu, bool channel_last) {
-  ConvParams p;
-  if (auto err = fill_forward_params(x, weight, bias, initial_state, seq_idx, y, final_state, silu,
-                                     channel_last, p);
-      err.failure()) {
-    return err;
-  }
-  return dispatch_dtype<__half, __nv_bfloat16>(
-      x.element_type(), [&](auto types) {
-        using Types = decltype(types);
-        return dispatch_width<kCudaMaxWidth>(p.width, [&](auto width) {
-          return launch_forward<typename Types::Storage, typename Types::Acc,
-                                decltype(width)::value>(stream, p);
-        });
-      });
-}
-
 ffi::Error backward_handler(cudaStream_t stream, ffi::AnyBuffer x,
                             ffi::AnyBuffer weight, ffi::AnyBuffer bias,
                             ffi::AnyBuffer initial_state, ffi::Buffer<ffi::S32> seq_idx,
@@ -524,10 +321,6 @@ int64_t backward_workspace_elements(int64_t batch, int64_t length, int64_t chann
 
 }  // namespace causal_conv
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    CausalConv1dForwardCuda, causal_conv::forward_handler,
-    causal_conv::bind_forward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
-    {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     CausalConv1dBackwardCuda, causal_conv::backward_handler,
     causal_conv::bind_backward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),

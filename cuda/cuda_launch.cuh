@@ -1,0 +1,86 @@
+// Host-side launch rules shared by the forward (forward_cuda.cu) and backward (backward_cuda.cu)
+// launchers: which kernels apply, and grid sizes from the device's resident threads.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <type_traits>
+
+#include "conv_vector.cuh"
+#include "cuda_vector.cuh"
+#include "ffi_common.h"
+
+namespace causal_conv {
+
+inline constexpr int64_t kMaxGridBlocks = int64_t{1} << 20;
+
+// Whether the vectorized kernels apply: a compile-time width, float or half x, packs that tile
+// the contiguous dimension, and 16-byte aligned buffers (the gradients' too in the backward).
+template <typename T, int kWidth>
+bool vector_applies(const ConvParams& p, bool backward) {
+  if constexpr (kWidth == 0 || std::is_same_v<T, double>) {
+    return false;
+  } else {
+    const int64_t contiguous = p.channel_last ? p.channels : p.length;
+    const bool forward_ok = contiguous % kPack<T> == 0 && aligned16(p.x) && aligned16(p.y) &&
+                            (p.initial_state == nullptr || aligned16(p.initial_state)) &&
+                            (p.seq_idx == nullptr || aligned16(p.seq_idx));
+    const bool state_ok = p.dinitial_state == nullptr || aligned16(p.dinitial_state);
+    return forward_ok && (!backward || (aligned16(p.dy) && aligned16(p.dx) && state_ok));
+  }
+}
+
+// Blocks of kChannelFirstThreads for a kernel in which each warp takes whole items (channel-first
+// rows or pieces of them).
+inline int64_t grid_for_warps(int64_t items) {
+  const int64_t blocks = (items * kLanes + kChannelFirstThreads - 1) / kChannelFirstThreads;
+  return std::max<int64_t>(1, std::min(kMaxGridBlocks, blocks));
+}
+
+// Threads of kKernel (launched in blocks of block_threads) that the device holds at once, or 0 if
+// the runtime cannot say. Cached per device: the occupancy query costs host time on every launch.
+template <auto kKernel>
+int64_t resident_threads(int block_threads) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int64_t> cached[kMaxDevices] = {};
+  const int device = current_device();
+  if (device < 0 || device >= kMaxDevices) return 0;
+  if (const int64_t known = cached[device].load(std::memory_order_relaxed); known > 0) return known;
+  const int sms = device_attribute(device, cudaDevAttrMultiProcessorCount);
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, block_threads, 0) !=
+      cudaSuccess) {
+    cudaGetLastError();  // a failed query must not surface as the launch's error
+    return 0;
+  }
+  const int64_t resident = int64_t{sms} * blocks * block_threads;
+  cached[device].store(resident, std::memory_order_relaxed);
+  return resident;
+}
+
+// Blocks for a channel-first short-row kernel (rows of at most 32 packs, group lanes each): a
+// warp per item of 32 / group rows, but no more warps than the device holds at once, so that each
+// takes its items in turn with the next ones' rows in flight.
+template <auto kKernel>
+int64_t short_row_blocks(const ConvParams& p, int group) {
+  const int64_t rows_per_item = kLanes / group;
+  int64_t warps = (p.batch * p.channels + rows_per_item - 1) / rows_per_item;
+  if (const int64_t resident = resident_threads<kKernel>(kThreads); resident > 0) {
+    warps = std::min(warps, resident / kLanes);
+  }
+  return std::max<int64_t>(1, std::min(kMaxGridBlocks, (warps * kLanes + kThreads - 1) / kThreads));
+}
+
+// channel_first_chunk for kKernel's launch: its warp items of one chunk per row, and the warps the
+// device holds of it.
+template <auto kKernel, typename T, bool kMasked>
+int64_t channel_first_chunk_for(const ConvParams& p, int64_t max_segments) {
+  const int64_t resident_warps = resident_threads<kKernel>(kChannelFirstThreads) / kLanes;
+  return channel_first_chunk(channel_first_items<kMasked>(p, 1), p.length, kLanes * kPack<T>,
+                             resident_warps, max_segments);
+}
+
+}  // namespace causal_conv
