@@ -22,6 +22,10 @@
 #       A/B of source trees on one machine: each tree is built into its own directory (in
 #       parallel), then benchmarks/bench.py of this checkout times each build in turn, for
 #       VARIANT_ROUNDS rounds (default 2), so drift over the run shows as a round-to-round change
+#   VARIANT_TRACE="8,2048,4096 8,2048,256" (with STEPS="variants"): also, each round, each build's
+#       kernel times from a trace (profile_kernels.py --trace) at those B,L,D shapes, both
+#       layouts: steadier than the queued medians (seventeenth session: three rounds of a forward
+#       kernel within 0.1-0.3 us where the queued medians moved by 1-2 us)
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 STEPS=${STEPS:-"build tests examples"}
@@ -35,6 +39,7 @@ TRACE_SHAPES=${TRACE_SHAPES:-"8,2048,4096 8,2048,256"}
 SANITIZE=${SANITIZE:-"memcheck unvalidated racecheck"}
 VARIANTS=${VARIANTS:-.}
 VARIANT_ROUNDS=${VARIANT_ROUNDS:-2}
+VARIANT_TRACE=${VARIANT_TRACE:-}
 export PYTHONUNBUFFERED=1
 summary=()
 
@@ -159,14 +164,16 @@ if step extreme; then
   grep -E "FAIL" "$OUT/extreme.log" | head -20
 fi
 
+# Each op's kernel times from a jax.profiler trace: seconds a shape, where ncu takes minutes to
+# start a JAX program. Prints the totals line of profile_kernels.py (us per call).
+trace() {  # log, profile_kernels.py arguments
+  local log=$1
+  shift
+  python3 benchmarks/profile_kernels.py "$@" --trace 40 >"$log" 2>&1
+  sed -n 's/^totals (us per call): //p' "$log" | grep -v '^none$' || echo "no kernel times (see $log)"
+}
+
 if step trace; then
-  # Seconds a shape, where ncu takes minutes to start a JAX program.
-  trace() {  # log, profile_kernels.py arguments
-    local log=$1
-    shift
-    python3 benchmarks/profile_kernels.py "$@" --trace 40 >"$log" 2>&1
-    sed -n 's/^totals (us per call): //p' "$log" | grep -v '^none$' || echo "no kernel times (see $log)"
-  }
   for shape in $TRACE_SHAPES; do
     for layout in BLD BDL; do
       summary+=("trace $layout B,L,D=$shape, kernel us: $(trace "$OUT/trace_${layout}_${shape//,/x}.log" \
@@ -210,6 +217,13 @@ if step variants; then
         n = split($2, c, " "); printf "%s%s %s %s %s/%s; ", (c[1] == "decode" ? "dec " : ""), c[n],
         $3, $4, $5, $6 }' "/tmp/variant_out_$name/bench.md")")
       grep -E 'FAILED' "$log" | sed "s/^/$name: /" | head -5
+      for shape in $VARIANT_TRACE; do
+        for layout in BLD BDL; do
+          times=$(PYTHONPATH="/tmp/variant_$name" trace \
+            "$OUT/trace_${name}_${layout}_${shape//,/x}_$round.log" --layout "$layout" --shape "$shape")
+          summary+=("round $round $name trace $layout B,L,D=$shape, kernel us: $times")
+        done
+      done
     done
   done
 fi
