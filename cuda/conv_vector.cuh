@@ -403,8 +403,9 @@ struct ChannelFirstCarry {
 
 // The pre-activation of output t0 + v of a channel-first lane from xs = x_{t0-P} .. x_{t0+V-1}
 // (N = P + V, or more): with kSelect only the taps seq_idx's masks keep, segments[j] being the
-// entry of xs[j]; without, every tap.
-template <bool kSelect, int K, int N>
+// entry of xs[j]; without, every tap. kNoPadding: the caller drops the output where it is padding,
+// so a tap need only match the output's id (one compare a tap, none for tap P).
+template <bool kSelect, bool kNoPadding = false, int K, int N>
 __device__ __forceinline__ float channel_first_pre_activation(const float (&w)[K][1], float bias,
                                                               const float (&xs)[N],
                                                               const int32_t* segments, int v) {
@@ -412,7 +413,9 @@ __device__ __forceinline__ float channel_first_pre_activation(const float (&w)[K
   float z = bias;
   for (int k = 0; k < K; ++k) {
     const float tap = fmaf(w[k][0], xs[v + k], z);
-    z = (!kSelect || same_segment(segments[P + v], segments[v + k])) ? tap : z;
+    const bool used = !kSelect || (kNoPadding ? segments[v + k] == segments[P + v]
+                                              : same_segment(segments[P + v], segments[v + k]));
+    z = used ? tap : z;
   }
   return z;
 }
