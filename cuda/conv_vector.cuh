@@ -477,18 +477,24 @@ __device__ __forceinline__ void load_segment_window(const int32_t* row, int64_t 
 // general window's range tests, defaults and selects were about 55 of a masked segment's 272
 // instructions; with this one it takes 263 (ptxas now branches around the padding outputs'
 // activations) and the kernel 72 registers instead of 79 (7 blocks per SM instead of 6).
-template <int V, int P>
+// kInRow: the caller knows t0 < length. Every load is at an immediate offset from the lane's pack
+// or, before the row, from a pointer that depends on the row only (kept out of the segment loop):
+// selecting the offset instead took 64-bit address arithmetic for each load (about 27
+// instructions of the window's at bf16 K = 4).
+template <int V, int P, bool kInRow = false>
 __device__ __forceinline__ void load_forward_segment_window(const int32_t* row, int64_t t0,
                                                             int64_t length,
                                                             int32_t (&out)[P + V]) {
   constexpr int kBefore = (P + 3) / 4 * 4;
-  const int64_t start = (t0 < length ? t0 : length - V) - kBefore;  // a multiple of 4
+  const int64_t at = kInRow || t0 < length ? t0 : length - V;  // the pack read, a multiple of 4
+  const int32_t* const pack = row + at;
   int32_t all[kBefore + V];
   for (int i = 0; i < kBefore + V; i += 4) {
-    const int64_t u = start + i;  // >= 0 from the lane's own times on
-    const bool before_row = i < kBefore && u < 0;
-    const Vec<int32_t, 4> four = load_readonly<int32_t, 4>(row + (before_row ? 0 : u));
-    for (int j = 0; j < 4; ++j) all[i + j] = before_row ? four.v[0] : four.v[j];  // seg(u < 0)
+    const bool before_row = i < kBefore && at + i < kBefore;  // the four's times are before 0
+    // row + (kBefore - i) + (i - kBefore): the row's first four, whose first entry is seg(u < 0).
+    const int32_t* const base = before_row ? row + (kBefore - i) : pack;
+    const Vec<int32_t, 4> four = load_readonly<int32_t, 4>(base + (i - kBefore));
+    for (int j = 0; j < 4; ++j) all[i + j] = before_row ? four.v[0] : four.v[j];
   }
   for (int j = 0; j < P + V; ++j) out[j] = all[kBefore - P + j];
 }

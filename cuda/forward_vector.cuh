@@ -321,7 +321,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
         channel_first_outputs<false>(w, bias[0], xs, nullptr, silu, out);
       } else {
         int32_t segments[P + V];
-        load_forward_segment_window<V, P>(segment_row, s + lane * V, p.length, segments);
+        load_forward_segment_window<V, P, kWhole>(segment_row, s + lane * V, p.length, segments);
         if (ends_row) store_final_state<true, K, V>(state_row, xs, segments);
         channel_first_outputs<true>(w, bias[0], xs, segments, silu, out);
       }
