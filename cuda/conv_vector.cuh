@@ -475,12 +475,12 @@ __device__ __forceinline__ void load_segment_window(const int32_t* row, int64_t 
 // a lane past the row's end reads the last pack's entries instead (its outputs are not kept), so
 // that only the fours before the row need a select and no load a range test. At bf16 K = 4 the
 // general window's range tests, defaults and selects were about 55 of a masked segment's 272
-// instructions; with this one it takes 263 (ptxas now branches around the padding outputs'
-// activations) and the kernel 72 registers instead of 79 (7 blocks per SM instead of 6).
+// instructions; with this one it took 263 and the kernel 72 registers instead of 79 (7 blocks per
+// SM instead of 6).
 // kInRow: the caller knows t0 < length. Every load is at an immediate offset from the lane's pack
 // or, before the row, from a pointer that depends on the row only (kept out of the segment loop):
-// selecting the offset instead took 64-bit address arithmetic for each load (about 27
-// instructions of the window's at bf16 K = 4).
+// selecting the offset for each load took 30 instructions of 64-bit address arithmetic and
+// selects at bf16 K = 4, this 25.
 template <int V, int P, bool kInRow = false>
 __device__ __forceinline__ void load_forward_segment_window(const int32_t* row, int64_t t0,
                                                             int64_t length,

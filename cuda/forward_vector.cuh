@@ -197,7 +197,10 @@ constexpr int kForwardAhead = 3;
 // f32 K = 8, no bound for 16-bit K >= 7 (4 blocks; at 5 they spill 4-36 bytes). f32 K = 7, which
 // had 6 blocks at a bound of 5 (80 registers), took 82 (5 blocks) with the rotating halo: it asks
 // for 6 (79, no spills). 7 blocks would spill nothing for bf16 and f32 up to K = 3 (and f32
-// K = 4) but were not measured.
+// K = 4) but were not measured. With channel_first_outputs' masked outputs free of branches
+// (masked segment 263 -> 216 instructions at bf16 K = 4), bf16 K = 3-4 and f16 K = 3 took 77-80
+// registers at a bound of 6 where they had 72 (7 blocks), and f16 K = 4 86 where it had 80 (6
+// blocks): bounds of 7 and 6 keep them at 72 and 80, no spills, the masked segment as short.
 //
 // Unmasked 16-bit kernels up to K = 4 asked for 9 blocks (56 registers, no spills): on the main
 // workload that took 81.5 us against 85.3 with 4 blocks of 256 (63 registers). With the loop's
@@ -211,8 +214,8 @@ template <typename T, int K, bool kMasked>
 constexpr int channel_first_forward_min_blocks() {
   if constexpr (kMasked) {
     if constexpr (sizeof(T) == 4) return K <= 7 ? 6 : 5;
-    if constexpr (std::is_same_v<T, __half>) return K <= 3 ? 6 : (K <= 6 ? 5 : 0);
-    return K <= 5 ? 6 : (K <= 6 ? 5 : 0);
+    if constexpr (std::is_same_v<T, __half>) return K <= 3 ? 7 : (K == 4 ? 6 : (K <= 6 ? 5 : 0));
+    return K <= 4 ? 7 : (K <= 5 ? 6 : (K <= 6 ? 5 : 0));
   }
   if constexpr (sizeof(T) == 2) {
     return K == 2 ? 10 : (K <= 6 ? 9 : 0);
