@@ -403,8 +403,9 @@ struct ChannelFirstCarry {
 
 // The pre-activation of output t0 + v of a channel-first lane from xs = x_{t0-P} .. x_{t0+V-1}
 // (N = P + V, or more): with kSelect only the taps seq_idx's masks keep, segments[j] being the
-// entry of xs[j]; without, every tap.
-template <bool kSelect, int K, int N>
+// entry of xs[j]; without, every tap. kNoPadding: the caller drops the output where it is padding,
+// so a tap need only match the output's id (one compare a tap, none for tap P).
+template <bool kSelect, bool kNoPadding = false, int K, int N>
 __device__ __forceinline__ float channel_first_pre_activation(const float (&w)[K][1], float bias,
                                                               const float (&xs)[N],
                                                               const int32_t* segments, int v) {
@@ -412,7 +413,9 @@ __device__ __forceinline__ float channel_first_pre_activation(const float (&w)[K
   float z = bias;
   for (int k = 0; k < K; ++k) {
     const float tap = fmaf(w[k][0], xs[v + k], z);
-    z = (!kSelect || same_segment(segments[P + v], segments[v + k])) ? tap : z;
+    const bool used = !kSelect || (kNoPadding ? segments[v + k] == segments[P + v]
+                                              : same_segment(segments[P + v], segments[v + k]));
+    z = used ? tap : z;
   }
   return z;
 }
@@ -472,20 +475,26 @@ __device__ __forceinline__ void load_segment_window(const int32_t* row, int64_t 
 // a lane past the row's end reads the last pack's entries instead (its outputs are not kept), so
 // that only the fours before the row need a select and no load a range test. At bf16 K = 4 the
 // general window's range tests, defaults and selects were about 55 of a masked segment's 272
-// instructions; with this one it takes 263 (ptxas now branches around the padding outputs'
-// activations) and the kernel 72 registers instead of 79 (7 blocks per SM instead of 6).
-template <int V, int P>
+// instructions; with this one it took 263 and the kernel 72 registers instead of 79 (7 blocks per
+// SM instead of 6).
+// kInRow: the caller knows t0 < length. Every load is at an immediate offset from the lane's pack
+// or, before the row, from a pointer that depends on the row only (kept out of the segment loop):
+// selecting the offset for each load took 30 instructions of 64-bit address arithmetic and
+// selects at bf16 K = 4, this 25.
+template <int V, int P, bool kInRow = false>
 __device__ __forceinline__ void load_forward_segment_window(const int32_t* row, int64_t t0,
                                                             int64_t length,
                                                             int32_t (&out)[P + V]) {
   constexpr int kBefore = (P + 3) / 4 * 4;
-  const int64_t start = (t0 < length ? t0 : length - V) - kBefore;  // a multiple of 4
+  const int64_t at = kInRow || t0 < length ? t0 : length - V;  // the pack read, a multiple of 4
+  const int32_t* const pack = row + at;
   int32_t all[kBefore + V];
   for (int i = 0; i < kBefore + V; i += 4) {
-    const int64_t u = start + i;  // >= 0 from the lane's own times on
-    const bool before_row = i < kBefore && u < 0;
-    const Vec<int32_t, 4> four = load_readonly<int32_t, 4>(row + (before_row ? 0 : u));
-    for (int j = 0; j < 4; ++j) all[i + j] = before_row ? four.v[0] : four.v[j];  // seg(u < 0)
+    const bool before_row = i < kBefore && at + i < kBefore;  // the four's times are before 0
+    // row + (kBefore - i) + (i - kBefore): the row's first four, whose first entry is seg(u < 0).
+    const int32_t* const base = before_row ? row + (kBefore - i) : pack;
+    const Vec<int32_t, 4> four = load_readonly<int32_t, 4>(base + (i - kBefore));
+    for (int j = 0; j < 4; ++j) all[i + j] = before_row ? four.v[0] : four.v[j];
   }
   for (int j = 0; j < P + V; ++j) out[j] = all[kBefore - P + j];
 }

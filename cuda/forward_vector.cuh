@@ -156,8 +156,17 @@ __device__ __forceinline__ void channel_first_outputs(const float (&w)[K][1], fl
                                                       float (&out)[V]) {
   constexpr int P = K - 1;
   for (int v = 0; v < V; ++v) {
-    const float z = channel_first_pre_activation<kSelect>(w, bias, xs, segments, v);
-    out[v] = (kSelect && segments[P + v] < 0) ? 0.0f : activate(z, silu);
+    const float y = activate(channel_first_pre_activation<kSelect, true>(w, bias, xs, segments, v),
+                            silu);
+    if constexpr (kSelect) {
+      // 0.0f at padding by a mask of the bits rather than a select, which ptxas turned into a
+      // branch around each output's arithmetic (about 5 instructions an output at bf16 K = 4,
+      // the activation's test repeated in each).
+      const int32_t kept = ~(segments[P + v] >> 31);  // all ones unless the id is negative
+      out[v] = __int_as_float(__float_as_int(y) & kept);
+    } else {
+      out[v] = y;
+    }
   }
 }
 
@@ -188,7 +197,10 @@ constexpr int kForwardAhead = 3;
 // f32 K = 8, no bound for 16-bit K >= 7 (4 blocks; at 5 they spill 4-36 bytes). f32 K = 7, which
 // had 6 blocks at a bound of 5 (80 registers), took 82 (5 blocks) with the rotating halo: it asks
 // for 6 (79, no spills). 7 blocks would spill nothing for bf16 and f32 up to K = 3 (and f32
-// K = 4) but were not measured.
+// K = 4) but were not measured. With channel_first_outputs' masked outputs free of branches
+// (masked segment 263 -> 216 instructions at bf16 K = 4), bf16 K = 3-4 and f16 K = 3 took 77-80
+// registers at a bound of 6 where they had 72 (7 blocks), and f16 K = 4 86 where it had 80 (6
+// blocks): bounds of 7 and 6 keep them at 72 and 80, no spills, the masked segment as short.
 //
 // Unmasked 16-bit kernels up to K = 4 asked for 9 blocks (56 registers, no spills): on the main
 // workload that took 81.5 us against 85.3 with 4 blocks of 256 (63 registers). With the loop's
@@ -202,8 +214,8 @@ template <typename T, int K, bool kMasked>
 constexpr int channel_first_forward_min_blocks() {
   if constexpr (kMasked) {
     if constexpr (sizeof(T) == 4) return K <= 7 ? 6 : 5;
-    if constexpr (std::is_same_v<T, __half>) return K <= 3 ? 6 : (K <= 6 ? 5 : 0);
-    return K <= 5 ? 6 : (K <= 6 ? 5 : 0);
+    if constexpr (std::is_same_v<T, __half>) return K <= 3 ? 7 : (K == 4 ? 6 : (K <= 6 ? 5 : 0));
+    return K <= 4 ? 7 : (K <= 5 ? 6 : (K <= 6 ? 5 : 0));
   }
   if constexpr (sizeof(T) == 2) {
     return K == 2 ? 10 : (K <= 6 ? 9 : 0);
@@ -312,7 +324,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
         channel_first_outputs<false>(w, bias[0], xs, nullptr, silu, out);
       } else {
         int32_t segments[P + V];
-        load_forward_segment_window<V, P>(segment_row, s + lane * V, p.length, segments);
+        load_forward_segment_window<V, P, kWhole>(segment_row, s + lane * V, p.length, segments);
         if (ends_row) store_final_state<true, K, V>(state_row, xs, segments);
         channel_first_outputs<true>(w, bias[0], xs, segments, silu, out);
       }
