@@ -201,6 +201,7 @@ constexpr int kForwardAhead = 3;
 // (masked segment 263 -> 216 instructions at bf16 K = 4), bf16 K = 3-4 and f16 K = 3 took 77-80
 // registers at a bound of 6 where they had 72 (7 blocks), and f16 K = 4 86 where it had 80 (6
 // blocks): bounds of 7 and 6 keep them at 72 and 80, no spills, the masked segment as short.
+// bf16 K = 4 takes 6 instead, for its unrolled turn (channel_first_forward_turn).
 //
 // Unmasked 16-bit kernels up to K = 4 asked for 9 blocks (56 registers, no spills): on the main
 // workload that took 81.5 us against 85.3 with 4 blocks of 256 (63 registers). With the loop's
@@ -215,7 +216,7 @@ constexpr int channel_first_forward_min_blocks() {
   if constexpr (kMasked) {
     if constexpr (sizeof(T) == 4) return K <= 7 ? 6 : 5;
     if constexpr (std::is_same_v<T, __half>) return K <= 3 ? 7 : (K == 4 ? 6 : (K <= 6 ? 5 : 0));
-    return K <= 4 ? 7 : (K <= 5 ? 6 : (K <= 6 ? 5 : 0));
+    return K <= 3 ? 7 : (K <= 5 ? 6 : (K <= 6 ? 5 : 0));
   }
   if constexpr (sizeof(T) == 2) {
     return K == 2 ? 10 : (K <= 6 ? 9 : 0);
@@ -229,9 +230,12 @@ constexpr int channel_first_forward_min_blocks() {
 // channel_first_forward_min_blocks without spilling; else 1: unrolled, 16-bit K = 6 and 8 and f32
 // K >= 5 spilled 12-32 bytes there or took a block fewer, and the masked kernels spilled 16-32
 // bytes at 16-bit K = 4-6 (and did not unroll on their own, the slots going to local memory).
+// With the masked segments' outputs free of branches, the masked bf16 K = 4 kernel unrolls at 6
+// blocks (80 registers, no spills; at 7 it spilled 16 bytes): a uniform segment 144 -> 125
+// instructions, a masked one 216 -> 195 (not measured on the GPU against 7 blocks of kTurn = 1).
 template <typename T, int K, bool kMasked>
 constexpr int channel_first_forward_turn() {
-  if constexpr (kMasked) return 1;
+  if constexpr (kMasked) return std::is_same_v<T, __nv_bfloat16> && K == 4 ? kForwardAhead : 1;
   if constexpr (sizeof(T) == 2) return K <= 5 || K == 7 ? kForwardAhead : 1;
   return K <= 4 ? kForwardAhead : 1;
 }
