@@ -30,7 +30,8 @@ cotangent (dx, dw, db and the initial state's gradient):
 
     python3 benchmarks/profile_kernels.py --layout BDL --features --trace 50
 
-x, dy, weight and bias are bf16 (bench.py's default: the params in x's dtype).
+x, dy, weight and bias are bf16 (bench.py's default: the params in x's dtype); --dtype float16
+or float32 for the others (the forward and backward, not --update).
 """
 
 import argparse
@@ -184,6 +185,8 @@ def main():
                         help="time N calls of each op (and of the copy) from a jax.profiler trace")
     parser.add_argument("--update", action="store_true",
                         help="the decode step (--shape B,1,D) instead of the forward and backward")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                        help="x, dy, the weight, bias and states (forward and backward only)")
     parser.add_argument("--features", action="store_true",
                         help="with seq_idx (four packed sequences a row), initial and final states")
     args = parser.parse_args()
@@ -192,6 +195,8 @@ def main():
         parser.error(f"--update takes one token a row: --shape B,1,D, got length {length}")
     if args.update and args.features:
         parser.error("--features is for the forward and backward, not --update")
+    if args.update and args.dtype != "bfloat16":
+        parser.error("--dtype is for the forward and backward; --update times bf16")
     if args.update:
         ops = update_ops(batch, channels, args.width, args.layout)
         if args.trace:
@@ -203,18 +208,18 @@ def main():
             for _ in range(3):
                 jax.block_until_ready(update())
         return
-    rng = np.random.default_rng(0)
+    rng, dtype = np.random.default_rng(0), jnp.dtype(args.dtype)
     shape = (batch, length, channels) if args.layout == "BLD" else (batch, channels, length)
-    x = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-    dy = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((channels, args.width)), jnp.bfloat16)
-    b = jnp.asarray(rng.standard_normal(channels), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal(shape), dtype)
+    dy = jnp.asarray(rng.standard_normal(shape), dtype)
+    w = jnp.asarray(rng.standard_normal((channels, args.width)), dtype)
+    b = jnp.asarray(rng.standard_normal(channels), dtype)
     state, dy_state, kwargs = (), (), dict(activation="silu", layout=args.layout)
     if args.features:
         state_shape = ((batch, args.width - 1, channels) if args.layout == "BLD"
                        else (batch, channels, args.width - 1))
-        state = (jnp.asarray(rng.standard_normal(state_shape), jnp.bfloat16),)
-        dy_state = (jnp.asarray(rng.standard_normal(state_shape), jnp.bfloat16),)
+        state = (jnp.asarray(rng.standard_normal(state_shape), dtype),)
+        dy_state = (jnp.asarray(rng.standard_normal(state_shape), dtype),)
         kwargs.update(seq_idx=packed_seq_idx(rng, batch, length), return_final_state=True)
 
     def fwd(x, w, b, *state):  # state: the initial state with --features, else none
@@ -227,7 +232,7 @@ def main():
     fwd_jit, bwd_jit = jax.jit(fwd), jax.jit(bwd)
     fwd_args, bwd_args = (x, w, b, *state), (x, w, b, state, (dy, *dy_state))
     if args.trace:
-        print(f"{args.layout} B={batch} L={length} D={channels} K={args.width} bf16"
+        print(f"{args.layout} B={batch} L={length} D={channels} K={args.width} {args.dtype}"
               f"{' +seq_idx+states' if args.features else ''}, {args.trace} calls each, "
               f"{jax.devices()[0].device_kind}")
         # bench.py's roofline: one read and one write (fwd), two reads and one write (bwd).
