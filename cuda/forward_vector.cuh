@@ -191,10 +191,9 @@ constexpr int kForwardAhead = 3;
 // compares and selects held there). On the packed workload (bf16 K = 4, B=8 L=2048 D=4096, 4
 // sequences a row, with states) it ran in 96.8 us at 6 blocks (80 registers, no spills) and 97.5
 // at 8 (spilling 84 B), where the loop over the uniform segments with a second pass for the masked
-// ones took 104.2 at 8 blocks; 9 blocks lost 6 us. With its unrolled turn (kForwardAhead segments,
-// channel_first_forward_turn) bf16 K = 4 went 93.2 -> 86.1 us at 6 blocks against 7 blocks of one
-// segment a turn. So each masked kernel takes the most blocks at which its unrolled turn spills
-// nothing (ptxas -v; the slots in registers, no local memory in the SASS): registers (blocks)
+// ones took 104.2 at 8 blocks; 9 blocks lost 6 us. Each masked kernel takes the most blocks at
+// which its unrolled turn (channel_first_forward_turn, worth a block at bf16 K = 4) spills nothing
+// (ptxas -v; the slots in registers, no local memory in the SASS): registers (blocks)
 //   f32:  K = 2-3 64 (8), K = 4-5 72 (7), K = 6 80 (6), K = 7 94 and K = 8 96 (5, left free);
 //   f16:  K = 2 72 (7), K = 3-5 79-80 (6), K = 6-7 96 (5, left free), K = 8 96 (5; left free it
 //         spilled 4 bytes);
@@ -241,9 +240,9 @@ constexpr int channel_first_forward_min_blocks() {
 //   bf16: K = 2 122 / 176 -> 104 / 156, K = 3 133 / 196 -> 114 / 176, K = 4 144 / 216 -> 124 / 195,
 //         K = 5 155 / 235 -> 134 / 213, K = 6 166 / 266 -> 141 / 238, K = 7 175 / 278 -> 151 / 257,
 //         K = 8 185 / 297 -> 162 / 279
-// (scripts/sass_census.py's loop, walked along its uniform and its masked branches). On the H200
-// the packed BDL forward's kernel at bf16 K = 4 (bench.py's features case) went 93.2 -> 86.1 us
-// at a block fewer (eighteenth session).
+// (the loop scripts/sass_census.py finds, counted along its uniform and its masked branches). On
+// the H200 the packed BDL forward's kernel at bf16 K = 4 (bench.py's features case) went 93.2 ->
+// 86.1 us at 6 blocks against 7 blocks of one segment a turn (eighteenth session).
 template <typename T, int K, bool kMasked>
 constexpr int channel_first_forward_turn() {
   if constexpr (kMasked) return kForwardAhead;
