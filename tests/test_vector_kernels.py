@@ -22,8 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import DEVICES, GPU, assert_close, device, to_f64
+from conftest import DEVICES, GPU, assert_close, device, make_inputs, to_f64
 from test_backward import compare, inputs, packed_seq_idx
+from test_forward import run_and_compare
 
 import jax_causal_conv as jcc
 from jax_causal_conv import reference
@@ -276,6 +277,24 @@ def test_channel_first_seq_idx_large(dev, dtype, shape):
     seq = cf_seq_idx(shape["length"], segment_len(dtype), 4)[[2, 3]]
     args, seq_idx = inputs(rng, dtype, width=4, layout="BDL", seq_idx=seq, **shape)
     compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL", final="random")
+
+
+# The masked forward's loop (kForwardAhead segments a turn, then a tail of up to three) at every
+# dtype and width: on the H200, 2048 rows of 4 channels make items of whole rows of 8 segments
+# (16-bit) and of 6, 8 or 16 (float32), so that turns hold uniform and masked segments at each of
+# their three places; L = 2040 ends each row in a segment of 31 (16-bit) or 30 packs. Forward
+# only: the tests above reach the backward's loop.
+@pytest.mark.parametrize("width", range(2, 9))
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dev", GPU)
+def test_channel_first_seq_idx_turns(dev, dtype, width):
+    rng = np.random.default_rng(width)
+    length = 2040
+    made = make_inputs(rng, batch=4, length=length, channels=2048, width=width, dtype=dtype,
+                       layout="BDL", initial_state=True)
+    made["seq_idx"] = jnp.asarray(cf_seq_idx(length, segment_len(dtype), width)[1:5])
+    run_and_compare(made, dev, dtype=dtype, activation="silu", return_final_state=True,
+                    layout="BDL", what=f"K{width}")
 
 
 # ---- channel-first short rows: 32 / group rows per warp, group lanes (a power of two) per row ----
