@@ -278,6 +278,25 @@ def test_channel_first_seq_idx_large(dev, dtype, shape):
     compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL", final="random")
 
 
+# Enough rows (6 x 1024: on the H200 the backward's items are whole rows of 7 segments) that items
+# hold several segments, for every dtype and width: the backward's masked segments then run in its
+# interior loop too (both segments of a dx the item's own: seq_idx windows without range tests),
+# where test_channel_first_seq_idx's items are single segments and the large case has K = 4 only.
+@pytest.mark.parametrize("width", range(2, 9))
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dev", GPU)
+def test_channel_first_seq_idx_items(dev, dtype, width):
+    rng = np.random.default_rng(width)
+    segment = segment_len(dtype)
+    length = 6 * segment + 2 * 16 // jnp.dtype(dtype).itemsize  # a last segment of two packs
+    seq = cf_seq_idx(length, segment, width)
+    args, seq_idx = inputs(rng, dtype, batch=len(seq), length=length, channels=1024, width=width,
+                           layout="BDL", state=True, seq_idx=seq)
+    grads, _ = compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL",
+                       final="random")
+    np.testing.assert_array_equal(grads["x"][5], 0)  # the all-padding row
+
+
 # ---- channel-first short rows: 32 / group rows per warp, group lanes (a power of two) per row ----
 
 SHORT_LENGTHS = [8, 16, 64, 128, 136, 256]  # multiples of 8: every dtype's pack divides them
