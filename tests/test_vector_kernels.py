@@ -250,12 +250,17 @@ def test_cf_seq_idx_rows():
 def test_channel_first_seq_idx(dev, dtype, width, state):
     """Few rows: on the GPU every segment is an item of its own (the P times before it and, in the
     backward, the segment after it come from the neighbouring items' times)."""
+    check_cf_seq_idx(dev, dtype, width, state, channels=3)
+
+
+def check_cf_seq_idx(dev, dtype, width, state, channels):
+    """cf_seq_idx's rows, 6 segments and 2 packs long, against the reference."""
     rng = np.random.default_rng(width)
     segment = segment_len(dtype)
     length = 6 * segment + 2 * 16 // jnp.dtype(dtype).itemsize  # a last segment of two packs
     seq = cf_seq_idx(length, segment, width)
-    args, seq_idx = inputs(rng, dtype, batch=len(seq), length=length, channels=3, width=width,
-                           layout="BDL", state=state, seq_idx=seq)
+    args, seq_idx = inputs(rng, dtype, batch=len(seq), length=length, channels=channels,
+                           width=width, layout="BDL", state=state, seq_idx=seq)
     grads, _ = compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL",
                        final="random")
     np.testing.assert_array_equal(grads["x"][5], 0)  # the all-padding row
@@ -286,15 +291,7 @@ def test_channel_first_seq_idx_large(dev, dtype, shape):
 @pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("dev", GPU)
 def test_channel_first_seq_idx_items(dev, dtype, width):
-    rng = np.random.default_rng(width)
-    segment = segment_len(dtype)
-    length = 6 * segment + 2 * 16 // jnp.dtype(dtype).itemsize  # a last segment of two packs
-    seq = cf_seq_idx(length, segment, width)
-    args, seq_idx = inputs(rng, dtype, batch=len(seq), length=length, channels=1024, width=width,
-                           layout="BDL", state=True, seq_idx=seq)
-    grads, _ = compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL",
-                       final="random")
-    np.testing.assert_array_equal(grads["x"][5], 0)  # the all-padding row
+    check_cf_seq_idx(dev, dtype, width, True, channels=1024)
 
 
 # ---- channel-first short rows: 32 / group rows per warp, group lanes (a power of two) per row ----
