@@ -450,41 +450,25 @@ __host__ __device__ __forceinline__ int64_t channel_first_items(const ConvParams
   return p.batch * ((p.channels + G - 1) / G) * chunks;
 }
 
-// The seq_idx entries of times [t0 - B, t0 + V + A) of a row as the masks read them (DESIGN.md
-// section 2): seg(u) = the row's first entry for u < 0 (the initial state belongs to the row's
-// first segment), -1 (no time: no tap reads it, no output is kept) for u >= length. t0 and length
-// are multiples of V, and V of 4, so each aligned four lies wholly before 0, in the row or past it.
-template <int V, int B, int A>
-__device__ __forceinline__ void load_segment_window(const int32_t* row, int64_t t0, int64_t length,
-                                                    int32_t (&out)[B + V + A]) {
-  constexpr int kBefore = (B + 3) / 4 * 4, kAfter = (A + 3) / 4 * 4;
-  // A lane past the row's end (t0 >= length) has none of its window's times in the row either.
-  const int32_t first = B > 0 && t0 < kBefore ? __ldg(row) : -1;  // seg(u), u < 0
-  int32_t all[kBefore + V + kAfter];
-  for (int i = 0; i < kBefore + V + kAfter; i += 4) {
-    const int64_t u = t0 + i - kBefore;  // the four's first time
-    const bool in_row = u >= 0 && u < length;
-    const Vec<int32_t, 4> four = in_row ? load_readonly<int32_t, 4>(row + u)
-                                        : Vec<int32_t, 4>{{-1, -1, -1, -1}};
-    for (int j = 0; j < 4; ++j) all[i + j] = in_row || u >= 0 ? four.v[j] : first;
-  }
-  for (int j = 0; j < B + V + A; ++j) out[j] = all[kBefore - B + j];
-}
-
-// load_segment_window<V, P, 0> for a forward lane whose outputs are kept only where t0 < length:
-// a lane past the row's end reads the last pack's entries instead (its outputs are not kept), so
-// that only the fours before the row need a select and no load a range test. At bf16 K = 4 the
-// general window's range tests, defaults and selects were about 55 of a masked segment's 272
-// instructions; with this one it took 263 and the kernel 72 registers instead of 79 (7 blocks per
-// SM instead of 6).
-// kInRow: the caller knows t0 < length. Every load is at an immediate offset from the lane's pack
-// or, before the row, from a pointer that depends on the row only (kept out of the segment loop):
-// selecting the offset for each load took 30 instructions of 64-bit address arithmetic and
-// selects at bf16 K = 4, this 25.
+// The seq_idx entries of a channel-first lane's window as the masks read them (DESIGN.md section
+// 2): seg(u) = the row's first entry for u < 0 (the initial state belongs to the row's first
+// segment), -1 (no time: no tap reads it, no output is kept) for u >= length. t0 (the lane's first
+// time) and length are multiples of V, and V of 4, so each aligned four lies wholly before 0, in
+// the row or past it. Both windows serve lanes whose results are kept only where t0 < length: a
+// lane past the row's end reads the last pack's entries instead, so that no load needs a range
+// test. kInRow: the caller knows the window's times before the row's end.
+//
+// Times [t0 - P, t0 + V), for outputs t0 .. t0 + V - 1 (forward outputs, backward deltas): only
+// the fours before the row need a select. At bf16 K = 4 the general window's range tests,
+// defaults and selects were about 55 of a masked forward segment's 272 instructions; with this
+// one it took 263 and the kernel 72 registers instead of 79 (7 blocks per SM instead of 6). Every
+// load is at an immediate offset from the lane's pack or, before the row, from a pointer that
+// depends on the row only (kept out of the segment loop): selecting the offset for each load took
+// 30 instructions of 64-bit address arithmetic and selects at bf16 K = 4, this 25.
 template <int V, int P, bool kInRow = false>
-__device__ __forceinline__ void load_forward_segment_window(const int32_t* row, int64_t t0,
-                                                            int64_t length,
-                                                            int32_t (&out)[P + V]) {
+__device__ __forceinline__ void load_segment_window_before(const int32_t* row, int64_t t0,
+                                                           int64_t length,
+                                                           int32_t (&out)[P + V]) {
   constexpr int kBefore = (P + 3) / 4 * 4;
   const int64_t at = kInRow || t0 < length ? t0 : length - V;  // the pack read, a multiple of 4
   const int32_t* const pack = row + at;
@@ -499,9 +483,27 @@ __device__ __forceinline__ void load_forward_segment_window(const int32_t* row, 
   for (int j = 0; j < P + V; ++j) out[j] = all[kBefore - P + j];
 }
 
+// Times [t0, t0 + V + A), for the backward's dx of inputs t0 .. t0 + V - 1: only the fours after
+// the pack need a range test (-1 past the row), none with kInRow (t0 + V + A <= length).
+template <int V, int A, bool kInRow = false>
+__device__ __forceinline__ void load_segment_window_after(const int32_t* row, int64_t t0,
+                                                          int64_t length, int32_t (&out)[V + A]) {
+  constexpr int kAfter = (A + 3) / 4 * 4;
+  const int64_t at = kInRow || t0 < length ? t0 : length - V;  // the pack read, a multiple of 4
+  const int32_t* const pack = row + at;
+  int32_t all[V + kAfter];
+  for (int i = 0; i < V + kAfter; i += 4) {
+    const bool in_row = kInRow || i < V || at + i < length;
+    const Vec<int32_t, 4> four =
+        in_row ? load_readonly<int32_t, 4>(pack + i) : Vec<int32_t, 4>{{-1, -1, -1, -1}};
+    for (int j = 0; j < 4; ++j) all[i + j] = four.v[j];
+  }
+  for (int j = 0; j < V + A; ++j) out[j] = all[j];
+}
+
 // Segments of 32 V times s_j = s + j 32 V of a row, j < count, that are uniform: every time u of
 // a window around s_j that is before the row's end has one and the same seq_idx entry >= 0 (u < 0:
-// the row's first entry, as in load_segment_window). Then every mask of the outputs that read
+// the row's first entry, as in load_segment_window_before). Then every mask of the outputs that read
 // only the window's times holds (none is padding, every tap is used), and the unmasked arithmetic
 // gives their bits; times past the row are no output's and no tap's.
 struct UniformSegments {

@@ -252,12 +252,13 @@ constexpr int channel_first_forward_turn() {
 
 // Whether the channel-first forward writes the final state itself, from its last segment (the
 // launch then needs no final-state kernel): with seq_idx, but for f16 and f32 K = 3 and 5, where
-// that code cost a block per SM (with load_segment_window: f16 72 -> 77 and 80 -> 92 registers,
-// f32 64 -> 67 and 72 -> 74; the others took 0-4 registers more within their blocks). In the
+// that code cost a block per SM (with the range-tested seq_idx window of then: f16 72 -> 77 and
+// 80 -> 92 registers, f32 64 -> 67 and 72 -> 74; the others took 0-4 registers more within their
+// blocks). In the
 // unmasked kernels (with their last turn's segments in the tail) it spilled 12-180 bytes at bf16
 // K = 2, 16-bit K = 5-6 and f32 K = 5, or took up to 16 registers more. On the H200 the packed
 // channel-first forward (bf16 B=8 L=2048 D=4096 K=4) went 107.2 -> 101.5 us with this and
-// load_forward_segment_window (benchmarks/RESULTS.md, fourteenth session).
+// load_segment_window_before (benchmarks/RESULTS.md, fourteenth session).
 template <typename T, int K, bool kMasked>
 constexpr bool channel_first_forward_final_state() {
   return kMasked && ((K != 3 && K != 5) || std::is_same_v<T, __nv_bfloat16>);
@@ -338,7 +339,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
         channel_first_outputs<false>(w, bias[0], xs, nullptr, silu, out);
       } else {
         int32_t segments[P + V];
-        load_forward_segment_window<V, P, kWhole>(segment_row, s + lane * V, p.length, segments);
+        load_segment_window_before<V, P, kWhole>(segment_row, s + lane * V, p.length, segments);
         if (ends_row) store_final_state<true, K, V>(state_row, xs, segments);
         channel_first_outputs<true>(w, bias[0], xs, segments, silu, out);
       }

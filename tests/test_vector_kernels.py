@@ -251,12 +251,17 @@ def test_cf_seq_idx_rows():
 def test_channel_first_seq_idx(dev, dtype, width, state):
     """Few rows: on the GPU every segment is an item of its own (the P times before it and, in the
     backward, the segment after it come from the neighbouring items' times)."""
+    check_cf_seq_idx(dev, dtype, width, state, channels=3)
+
+
+def check_cf_seq_idx(dev, dtype, width, state, channels):
+    """cf_seq_idx's rows, 6 segments and 2 packs long, against the reference."""
     rng = np.random.default_rng(width)
     segment = segment_len(dtype)
     length = 6 * segment + 2 * 16 // jnp.dtype(dtype).itemsize  # a last segment of two packs
     seq = cf_seq_idx(length, segment, width)
-    args, seq_idx = inputs(rng, dtype, batch=len(seq), length=length, channels=3, width=width,
-                           layout="BDL", state=state, seq_idx=seq)
+    args, seq_idx = inputs(rng, dtype, batch=len(seq), length=length, channels=channels,
+                           width=width, layout="BDL", state=state, seq_idx=seq)
     grads, _ = compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL",
                        final="random")
     np.testing.assert_array_equal(grads["x"][5], 0)  # the all-padding row
@@ -295,6 +300,17 @@ def test_channel_first_seq_idx_turns(dev, dtype, width):
     made["seq_idx"] = jnp.asarray(cf_seq_idx(length, segment_len(dtype), width)[1:5])
     run_and_compare(made, dev, dtype=dtype, activation="silu", return_final_state=True,
                     layout="BDL", what=f"K{width}")
+
+
+# Enough rows (6 x 1024: on the H200 the backward's items are whole rows of 7 segments) that items
+# hold several segments, for every dtype and width: the backward's masked segments then run in its
+# interior loop too (both segments of a dx the item's own: seq_idx windows without range tests),
+# where test_channel_first_seq_idx's items are single segments and the large case has K = 4 only.
+@pytest.mark.parametrize("width", range(2, 9))
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dev", GPU)
+def test_channel_first_seq_idx_items(dev, dtype, width):
+    check_cf_seq_idx(dev, dtype, width, True, channels=1024)
 
 
 # ---- channel-first short rows: 32 / group rows per warp, group lanes (a power of two) per row ----
