@@ -120,10 +120,10 @@ __device__ __forceinline__ int run_steps(int begin, int end, Step&& step) {
 // for x, cost every step registers and issue slots, and the backward its occupancy.)
 constexpr int kSegmentChunk = 32;  // steps a 32-bit mask covers, one a lane
 // Steps whose windows a warp streaming one piece of a row checks at once before it takes them
-// chunk by chunk. A chunk's check cost the masked bf16 K = 4 channel-last backward about 60
-// instructions, two dependent seq_idx loads and a vote, the step loop's exit and entry each 32
-// steps; a span's loads are in flight together (at most 5 a lane), one wait and one vote for 4
-// chunks.
+// chunk by chunk (SegmentSteps::run). In the masked bf16 K = 4 channel-last backward (interior
+// steps 124.5 SASS instructions each) a chunk's check took 89 instructions with two id loads
+// one after the other, a vote, and the step loop's exit and entry, every 32 steps; a span's
+// check takes 88 with its 6 loads in flight together, for 128 steps.
 constexpr int kSegmentSpan = 4 * kSegmentChunk;
 
 // The seq_idx side of a channel-last thread whose step j has time t0 + j of batch row b, for
@@ -148,8 +148,8 @@ struct SegmentSteps {
   // whose windows lie inside one segment, other(j, needs) for every other step j, needs telling
   // whether its window is not inside one segment (a step outside [open, close) may be one whose
   // window is). The lanes of the thread's group (see masked_steps) must call it alike; begin >= 0
-  // and close <= live.
-  template <typename Uniform, typename Other>
+  // and close <= live. kSpans: whether a warp checks spans first (below).
+  template <bool kSpans, typename Uniform, typename Other>
   __device__ __forceinline__ void run(int begin, int end, int open, int close, Uniform&& uniform,
                                       Other&& other) const {
     // Spans start at the first chunk from open on, then every kSegmentSpan steps: the stretch of
@@ -162,7 +162,7 @@ struct SegmentSteps {
 #pragma unroll 1
     for (int chunk = begin; chunk < end;) {
       const int span_end = std::min(chunk + kSegmentSpan, close);
-      const bool span = chunk >= first_span && span_end > chunk &&
+      const bool span = kSpans && chunk >= first_span && span_end > chunk &&
                         (chunk - first_span) % kSegmentSpan == 0 && uniform_span(chunk, span_end);
       const int chunk_end = span ? span_end : std::min(chunk + kSegmentChunk, end);
       const uint32_t needs = span ? 0 : masked_steps(chunk, chunk_end);
@@ -180,7 +180,7 @@ struct SegmentSteps {
         pending &= pending - 1;
         step = next + 1;
       }
-      chunk = chunk_end;
+      chunk = span ? span_end : chunk + kSegmentChunk;  // (kSpans false: the loop as before)
     }
   }
 
@@ -241,21 +241,27 @@ struct SegmentSteps {
 
   // Whether the windows of steps [begin, end) (end - begin <= kSegmentSpan) all lie inside one
   // segment, the ids of steps begin - P .. end - 1 one id >= 0. Only a warp whose 32 lanes
-  // stream this piece (see masked_steps) looks; the lanes of a smaller group find false.
+  // stream this piece (see masked_steps) looks; the lanes of a smaller group find false. The
+  // steps are before end <= live: no id() bound, and from begin + 32 - P > 0 on (begin >= 0) no
+  // clamp either. The loads are in flight together: with id() and &&, ptxas waited for the
+  // first id, then the lane's, then the rest; with the first id standing in for the ids not
+  // read, for the first id, then the rest.
   __device__ __forceinline__ bool uniform_span(int begin, int end) const {
     const int lane = static_cast<int>(threadIdx.x % kLanes);
     if (lane > pack() || pack() - lane + kLanes > packs()) return false;
-    const int32_t* ids = this->ids();
-    const int32_t first_id = id(ids, begin - P);
+    const int32_t* const ids = this->ids();
     const int n = end - begin + P;  // the ids to compare
-    bool same = first_id >= 0 && (lane >= n || id(ids, begin - P + lane) == first_id);
-    // The ids after the first 32 are those of steps from begin + 32 - P > 0 up to end - 1 < live
-    // (begin >= 0, end <= live): read without id()'s bounds, at fixed offsets from one address.
+    const int32_t first_id = ids[std::max(begin - P, first_step())];
     const int32_t* const row = ids + (begin - P + lane);
+    // at[m]: id m * kLanes + lane of the n (step begin - P + m * kLanes + lane), where it is one.
+    constexpr int kReads = (kSegmentSpan + P + kLanes - 1) / kLanes;
+    int32_t at[kReads];
+    at[0] = lane < n ? ids[std::max(begin - P + lane, first_step())] : 0;
 #pragma unroll
-    for (int m = 1; m < (kSegmentSpan + P + kLanes - 1) / kLanes; ++m) {
-      if (m * kLanes + lane < n) same &= row[m * kLanes] == first_id;
-    }
+    for (int m = 1; m < kReads; ++m) at[m] = m * kLanes + lane < n ? row[m * kLanes] : 0;
+    bool same = first_id >= 0;
+#pragma unroll
+    for (int m = 0; m < kReads; ++m) same &= m * kLanes + lane >= n || at[m] == first_id;
     return __all_sync(kFullWarp, same);
   }
 
