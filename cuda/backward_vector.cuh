@@ -236,10 +236,14 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
                                       [&](auto silu) { return interior(begin, end, silu); });
           }
         };
-        segments.run(0, owned + P, P, owned, uniform, [&](int step, bool needs_seq_idx) {
-          step_at(step, std::false_type{}, needs_seq_idx ? segments.taps(step) : Segments::kAllTaps,
-                  p.silu);
-        });
+        // Spans (see SegmentSteps::run) cost 16-bit K = 2 (8 channels a thread, at the cap)
+        // 4 bytes of spills with their loads in flight.
+        constexpr bool kSpans = !(sizeof(T) == 2 && K == 2);
+        segments.template run<kSpans>(
+            0, owned + P, P, owned, uniform, [&](int step, bool needs_seq_idx) {
+              step_at(step, std::false_type{},
+                      needs_seq_idx ? segments.taps(step) : Segments::kAllTaps, p.silu);
+            });
       } else {
         with_bool_constant(p.silu, [&](auto silu) {
           int step = 0;

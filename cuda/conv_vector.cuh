@@ -119,6 +119,12 @@ __device__ __forceinline__ int run_steps(int begin, int end, Step&& step) {
 // there, without the id loads and tap selects of every step. (A ring of ids in shared memory, as
 // for x, cost every step registers and issue slots, and the backward its occupancy.)
 constexpr int kSegmentChunk = 32;  // steps a 32-bit mask covers, one a lane
+// Steps whose windows a warp streaming one piece of a row checks at once before it takes them
+// chunk by chunk (SegmentSteps::run). In the masked bf16 K = 4 channel-last backward (interior
+// steps 124.5 SASS instructions each) a chunk's check took 89 instructions with two id loads
+// one after the other, a vote, and the step loop's exit and entry, every 32 steps; a span's
+// check takes 88 with its 6 loads in flight together, for 128 steps.
+constexpr int kSegmentSpan = 4 * kSegmentChunk;
 
 // The seq_idx side of a channel-last thread whose step j has time t0 + j of batch row b, for
 // steps j >= -P (the P before step 0 fill its first window), channels d0 .. d0 + C - 1. It refers
@@ -141,16 +147,27 @@ struct SegmentSteps {
   // Steps [begin, end) in order: uniform(begin', end') for the stretches of steps in [open, close)
   // whose windows lie inside one segment, other(j, needs) for every other step j, needs telling
   // whether its window is not inside one segment (a step outside [open, close) may be one whose
-  // window is). The lanes of the thread's group (see masked_steps) must call it alike.
-  template <typename Uniform, typename Other>
+  // window is). The lanes of the thread's group (see masked_steps) must call it alike; begin >= 0
+  // and close <= live. kSpans: whether a warp checks spans first (below).
+  template <bool kSpans, typename Uniform, typename Other>
   __device__ __forceinline__ void run(int begin, int end, int open, int close, Uniform&& uniform,
                                       Other&& other) const {
+    // Spans start at the first chunk from open on, then every kSegmentSpan steps: the stretch of
+    // a span inside [open, close) whose windows all lie inside one segment is one call of
+    // uniform. The chunks before, those of a span turned down and those from close on go one by
+    // one. (Chunks cut at open, so that the spans start there, spilled 4 bytes of the float
+    // K = 2 backward.)
+    const int first_span = begin + (std::max(open - begin, 0) + kSegmentChunk - 1) /
+                                       kSegmentChunk * kSegmentChunk;
 #pragma unroll 1
-    for (int chunk = begin; chunk < end; chunk += kSegmentChunk) {
-      const int chunk_end = std::min(chunk + kSegmentChunk, end);
-      const uint32_t needs = masked_steps(chunk, chunk_end);
+    for (int chunk = begin; chunk < end;) {
+      const int span_end = std::min(chunk + kSegmentSpan, close);
+      const bool span = kSpans && chunk >= first_span && span_end > chunk &&
+                        (chunk - first_span) % kSegmentSpan == 0 && uniform_span(chunk, span_end);
+      const int chunk_end = span ? span_end : std::min(chunk + kSegmentChunk, end);
+      const uint32_t needs = span ? 0 : masked_steps(chunk, chunk_end);
       // Bit i: step chunk + i goes to other().
-      uint32_t pending = needs | low_bits(open - chunk) | ~low_bits(close - chunk);
+      uint32_t pending = span ? 0 : needs | low_bits(open - chunk) | ~low_bits(close - chunk);
       int step = chunk;
 #pragma unroll 1
       while (true) {
@@ -163,6 +180,7 @@ struct SegmentSteps {
         pending &= pending - 1;
         step = next + 1;
       }
+      chunk = span ? span_end : chunk + kSegmentChunk;  // (kSpans false: the loop as before)
     }
   }
 
@@ -202,9 +220,8 @@ struct SegmentSteps {
   __device__ __forceinline__ uint32_t masked_steps(int begin, int end) const {
     static_assert(kSegmentChunk == kLanes, "a step a lane");
     const int lane = static_cast<int>(threadIdx.x % kLanes);
-    const int pack = static_cast<int>(d0 / C), packs = static_cast<int>(p.channels / C);
-    const int first = std::max(lane - pack, 0);
-    const int size = std::min(lane - pack + packs, int{kLanes}) - first, rank = lane - first;
+    const int first = std::max(lane - pack(), 0);
+    const int size = std::min(lane - pack() + packs(), int{kLanes}) - first, rank = lane - first;
     const unsigned group = (size == kLanes ? kFullWarp : (1u << size) - 1) << first;
     const int32_t* ids = this->ids();
     const int32_t first_id = id(ids, begin - P);
@@ -220,6 +237,32 @@ struct SegmentSteps {
       bits |= __ballot_sync(group, needs) >> first << at;
     }
     return bits;
+  }
+
+  // Whether the windows of steps [begin, end) (end - begin <= kSegmentSpan) all lie inside one
+  // segment, the ids of steps begin - P .. end - 1 one id >= 0. Only a warp whose 32 lanes
+  // stream this piece (see masked_steps) looks; the lanes of a smaller group find false. The
+  // steps are before end <= live: no id() bound, and from begin + 32 - P > 0 on (begin >= 0) no
+  // clamp either. The loads are in flight together: with id() and &&, ptxas waited for the
+  // first id, then the lane's, then the rest; with the first id standing in for the ids not
+  // read, for the first id, then the rest.
+  __device__ __forceinline__ bool uniform_span(int begin, int end) const {
+    const int lane = static_cast<int>(threadIdx.x % kLanes);
+    if (lane > pack() || pack() - lane + kLanes > packs()) return false;
+    const int32_t* const ids = this->ids();
+    const int n = end - begin + P;  // the ids to compare
+    const int32_t first_id = ids[std::max(begin - P, first_step())];
+    const int32_t* const row = ids + (begin - P + lane);
+    // at[m]: id m * kLanes + lane of the n (step begin - P + m * kLanes + lane), where it is one.
+    constexpr int kReads = (kSegmentSpan + P + kLanes - 1) / kLanes;
+    int32_t at[kReads];
+    at[0] = lane < n ? ids[std::max(begin - P + lane, first_step())] : 0;
+#pragma unroll
+    for (int m = 1; m < kReads; ++m) at[m] = m * kLanes + lane < n ? row[m * kLanes] : 0;
+    bool same = first_id >= 0;
+#pragma unroll
+    for (int m = 0; m < kReads; ++m) same &= m * kLanes + lane >= n || at[m] == first_id;
+    return __all_sync(kFullWarp, same);
   }
 
   // seg() of step j's time, ids = ids(): as Conv::segment has it, times before 0 (the initial
@@ -238,6 +281,9 @@ struct SegmentSteps {
   __device__ __forceinline__ int first_step() const {
     return -static_cast<int>(std::min<int64_t>(t0, P));
   }
+  // The thread's channel pack, and the row's packs.
+  __device__ __forceinline__ int pack() const { return static_cast<int>(d0 / C); }
+  __device__ __forceinline__ int packs() const { return static_cast<int>(p.channels / C); }
 };
 
 // N consecutive seq_idx entries (N a multiple of 4, 16-byte aligned), or -1 (no segment) where

@@ -131,9 +131,13 @@ __global__ void __launch_bounds__(kForwardThreads, forward_channel_last_min_bloc
         }
       };
       if constexpr (kMasked) {
-        // The forward has no edge steps: every other step is one that needs the tap tests.
-        segments.run(0, steps, 0, steps, uniform,
-                     [&](int step, bool) { step_at(step, segments.taps(step), p.silu); });
+        // The forward has no edge steps: every other step is one that needs the tap tests. Its
+        // pieces (56-63 steps on the main workload) take two checks, and its masked kernels have
+        // no register bound: with spans, bf16 K = 5 / 7 and f16 K = 3 to 5 took 8-21 registers
+        // more (bf16 K = 7 96 -> 117, a block per SM fewer).
+        segments.template run<false>(
+            0, steps, 0, steps, uniform,
+            [&](int step, bool) { step_at(step, segments.taps(step), p.silu); });
       } else {
         uniform(kDown ? P : 0, rows);
       }

@@ -130,12 +130,14 @@ def test_segment_boundaries(dev, width, channels, state):
         compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BLD", final="random")
 
 
-# Forward pieces of 64 steps and backward tiles longer than 64 (256 steps: 256 columns cut into
-# the 128 pieces a row that make the launch's 32768 threads), with random segments of 1 to 300
-# steps and padding runs, so that boundaries fall at every offset within pieces, tiles and checks.
+# Forward pieces of 64 steps and backward tiles longer than 64 (256 to 512 steps: the columns
+# cut into the pieces a row that make the launch's 32768 threads), with random segments of 1 to
+# 300 steps and padding runs, so that boundaries fall at every offset within pieces, tiles and
+# checks: the backward's 128-step spans (ids begin - P .. begin + 127, 5 reads a lane) among them.
+@pytest.mark.parametrize("width", [2, 4, 8])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("dev", GPU)
-def test_segment_boundaries_long_rows(dev, dtype):
+def test_segment_boundaries_long_rows(dev, dtype, width):
     rng = np.random.default_rng(11)
     length = 32768
     rows = []
@@ -146,7 +148,7 @@ def test_segment_boundaries_long_rows(dev, dtype):
             ids[t:t + n] = -1 if rng.random() < 0.1 else t
             t += n
         rows.append(ids)
-    args, seq_idx = inputs(rng, dtype, batch=2, length=length, channels=512, width=4,
+    args, seq_idx = inputs(rng, dtype, batch=2, length=length, channels=512, width=width,
                            layout="BLD", seq_idx=np.stack(rows))
     compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BLD", final="random")
 
