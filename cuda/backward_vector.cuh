@@ -236,10 +236,14 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
                                       [&](auto silu) { return interior(begin, end, silu); });
           }
         };
-        segments.run(0, owned + P, P, owned, uniform, [&](int step, bool needs_seq_idx) {
-          step_at(step, std::false_type{}, needs_seq_idx ? segments.taps(step) : Segments::kAllTaps,
-                  p.silu);
-        });
+        // Spans (see SegmentSteps::run) cost 16-bit K = 2 (8 channels a thread, at the cap)
+        // 4 bytes of spills with their loads in flight.
+        constexpr bool kSpans = !(sizeof(T) == 2 && K == 2);
+        segments.template run<kSpans>(
+            0, owned + P, P, owned, uniform, [&](int step, bool needs_seq_idx) {
+              step_at(step, std::false_type{},
+                      needs_seq_idx ? segments.taps(step) : Segments::kAllTaps, p.silu);
+            });
       } else {
         with_bool_constant(p.silu, [&](auto silu) {
           int step = 0;
@@ -300,8 +304,10 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
 // delta of a channel-first lane's pack from xs = x_{t0-P} .. x_{t0+V-1} and dy (0 where the
 // outputs do not exist, or with kSelect are padding), and where accumulate its terms of dw and db
 // (dw[K]). With kSelect, seq_idx's masks, segments[j] being the entry of xs[j]; without, every tap.
+// kBitMask (with kSelect): the taps of the pre-activation compare ids only and delta is zeroed
+// where it is padding or does not exist by a mask of the bits, as in channel_first_outputs.
 // silu: a bool, or a std::bool_constant where the kernel chose the activation once at its start.
-template <bool kSelect, int K, int V, typename Silu>
+template <bool kSelect, bool kBitMask = false, int K, int V, typename Silu>
 __device__ __forceinline__ void channel_first_deltas(const float (&w)[K][1], float bias,
                                                      const float (&xs)[K - 1 + V],
                                                      const float (&dy)[V], const int32_t* segments,
@@ -309,10 +315,15 @@ __device__ __forceinline__ void channel_first_deltas(const float (&w)[K][1], flo
                                                      float (&delta)[V], float (&dw)[K + 1]) {
   constexpr int P = K - 1;
   for (int v = 0; v < V; ++v) {
-    const float z = channel_first_pre_activation<kSelect>(w, bias, xs, segments, v);
-    const bool output = exists && !(kSelect && segments[P + v] < 0);
+    const float z = channel_first_pre_activation<kSelect, kBitMask>(w, bias, xs, segments, v);
     const float d = activation_vjp(dy[v], z, silu);  // before the select: no branch around it
-    delta[v] = output ? d : 0.0f;
+    if constexpr (kBitMask) {
+      const int32_t kept = exists ? ~(segments[P + v] >> 31) : 0;  // all ones unless padding
+      delta[v] = __int_as_float(__float_as_int(d) & kept);
+    } else {
+      const bool output = exists && !(kSelect && segments[P + v] < 0);
+      delta[v] = output ? d : 0.0f;
+    }
     if (accumulate) {
       dw[K] += delta[v];
       for (int k = 0; k < K; ++k) {
@@ -464,10 +475,14 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
         channel_first_deltas<false>(w, bias[0], xs, dy, nullptr, exists, accumulate, silu,
                                     out.delta, dw);
       } else {
+        // A lane past the row's end does not exist: its window need not be in the row. Windows
+        // without range tests, taps comparing ids only and delta (and segment_dx's dx) zeroed by
+        // a bit mask: at bf16 K = 4 (silu) a masked segment of the interior loop took 521 -> 418
+        // instructions (masked delta 282 -> 234, masked dx 132 -> 88), a uniform one 269 -> 258.
         int32_t segments[P + V];
-        load_segment_window<V, P, 0>(segment_row, t0, p.length, segments);
-        channel_first_deltas<true>(w, bias[0], xs, dy, segments, exists, accumulate, silu,
-                                   out.delta, dw);
+        load_segment_window_before<V, P, kInterior>(segment_row, t0, p.length, segments);
+        channel_first_deltas<true, true>(w, bias[0], xs, dy, segments, exists, accumulate, silu,
+                                         out.delta, dw);
       }
     };
 
@@ -522,20 +537,28 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
             const int at = j + P - k;
             if (at < V) {
               const float tap = fmaf(w[k][0], current.delta[at], acc);
-              acc = (!kSelect || same_segment(segments[at], segments[j])) ? tap : acc;
+              acc = (!kSelect || segments[at] == segments[j]) ? tap : acc;
             } else {
-              const bool used = kSelect ? same_segment(segments[at], segments[j]) : exists[at - V];
+              const bool used = kSelect ? segments[at] == segments[j] : exists[at - V];
               acc = used ? fmaf(w[k][0], after[at - V], acc) : acc;
             }
           }
-          g[j] = acc;
+          if constexpr (kSelect) {
+            // The taps compare ids only, and dx is zeroed at padding by a mask of the bits: where
+            // x_{t0+j} is not padding, equal ids are same_segment's test; where it is, no output
+            // reads it (dx 0.0f, as before).
+            const int32_t kept = ~(segments[j] >> 31);
+            g[j] = __int_as_float(__float_as_int(acc) & kept);
+          } else {
+            g[j] = acc;
+          }
         }
       };
       if (!masked) {
         input_grads(std::false_type{}, nullptr);
       } else {
         int32_t segments[V + P];
-        load_segment_window<V, 0, P>(segment_row, t0, p.length, segments);
+        load_segment_window_after<V, P, kInterior>(segment_row, t0, p.length, segments);
         input_grads(std::true_type{}, segments);
       }
       if (!kInterior && p.dfinal_state != nullptr && t0 < item.c1 && t0 + V > p.length - P) {

@@ -119,6 +119,12 @@ __device__ __forceinline__ int run_steps(int begin, int end, Step&& step) {
 // there, without the id loads and tap selects of every step. (A ring of ids in shared memory, as
 // for x, cost every step registers and issue slots, and the backward its occupancy.)
 constexpr int kSegmentChunk = 32;  // steps a 32-bit mask covers, one a lane
+// Steps whose windows a warp streaming one piece of a row checks at once before it takes them
+// chunk by chunk (SegmentSteps::run). In the masked bf16 K = 4 channel-last backward (interior
+// steps 124.5 SASS instructions each) a chunk's check took 89 instructions with two id loads
+// one after the other, a vote, and the step loop's exit and entry, every 32 steps; a span's
+// check takes 88 with its 6 loads in flight together, for 128 steps.
+constexpr int kSegmentSpan = 4 * kSegmentChunk;
 
 // The seq_idx side of a channel-last thread whose step j has time t0 + j of batch row b, for
 // steps j >= -P (the P before step 0 fill its first window), channels d0 .. d0 + C - 1. It refers
@@ -141,16 +147,27 @@ struct SegmentSteps {
   // Steps [begin, end) in order: uniform(begin', end') for the stretches of steps in [open, close)
   // whose windows lie inside one segment, other(j, needs) for every other step j, needs telling
   // whether its window is not inside one segment (a step outside [open, close) may be one whose
-  // window is). The lanes of the thread's group (see masked_steps) must call it alike.
-  template <typename Uniform, typename Other>
+  // window is). The lanes of the thread's group (see masked_steps) must call it alike; begin >= 0
+  // and close <= live. kSpans: whether a warp checks spans first (below).
+  template <bool kSpans, typename Uniform, typename Other>
   __device__ __forceinline__ void run(int begin, int end, int open, int close, Uniform&& uniform,
                                       Other&& other) const {
+    // Spans start at the first chunk from open on, then every kSegmentSpan steps: the stretch of
+    // a span inside [open, close) whose windows all lie inside one segment is one call of
+    // uniform. The chunks before, those of a span turned down and those from close on go one by
+    // one. (Chunks cut at open, so that the spans start there, spilled 4 bytes of the float
+    // K = 2 backward.)
+    const int first_span = begin + (std::max(open - begin, 0) + kSegmentChunk - 1) /
+                                       kSegmentChunk * kSegmentChunk;
 #pragma unroll 1
-    for (int chunk = begin; chunk < end; chunk += kSegmentChunk) {
-      const int chunk_end = std::min(chunk + kSegmentChunk, end);
-      const uint32_t needs = masked_steps(chunk, chunk_end);
+    for (int chunk = begin; chunk < end;) {
+      const int span_end = std::min(chunk + kSegmentSpan, close);
+      const bool span = kSpans && chunk >= first_span && span_end > chunk &&
+                        (chunk - first_span) % kSegmentSpan == 0 && uniform_span(chunk, span_end);
+      const int chunk_end = span ? span_end : std::min(chunk + kSegmentChunk, end);
+      const uint32_t needs = span ? 0 : masked_steps(chunk, chunk_end);
       // Bit i: step chunk + i goes to other().
-      uint32_t pending = needs | low_bits(open - chunk) | ~low_bits(close - chunk);
+      uint32_t pending = span ? 0 : needs | low_bits(open - chunk) | ~low_bits(close - chunk);
       int step = chunk;
 #pragma unroll 1
       while (true) {
@@ -163,6 +180,7 @@ struct SegmentSteps {
         pending &= pending - 1;
         step = next + 1;
       }
+      chunk = span ? span_end : chunk + kSegmentChunk;  // (kSpans false: the loop as before)
     }
   }
 
@@ -202,9 +220,8 @@ struct SegmentSteps {
   __device__ __forceinline__ uint32_t masked_steps(int begin, int end) const {
     static_assert(kSegmentChunk == kLanes, "a step a lane");
     const int lane = static_cast<int>(threadIdx.x % kLanes);
-    const int pack = static_cast<int>(d0 / C), packs = static_cast<int>(p.channels / C);
-    const int first = std::max(lane - pack, 0);
-    const int size = std::min(lane - pack + packs, int{kLanes}) - first, rank = lane - first;
+    const int first = std::max(lane - pack(), 0);
+    const int size = std::min(lane - pack() + packs(), int{kLanes}) - first, rank = lane - first;
     const unsigned group = (size == kLanes ? kFullWarp : (1u << size) - 1) << first;
     const int32_t* ids = this->ids();
     const int32_t first_id = id(ids, begin - P);
@@ -220,6 +237,32 @@ struct SegmentSteps {
       bits |= __ballot_sync(group, needs) >> first << at;
     }
     return bits;
+  }
+
+  // Whether the windows of steps [begin, end) (end - begin <= kSegmentSpan) all lie inside one
+  // segment, the ids of steps begin - P .. end - 1 one id >= 0. Only a warp whose 32 lanes
+  // stream this piece (see masked_steps) looks; the lanes of a smaller group find false. The
+  // steps are before end <= live: no id() bound, and from begin + 32 - P > 0 on (begin >= 0) no
+  // clamp either. The loads are in flight together: with id() and &&, ptxas waited for the
+  // first id, then the lane's, then the rest; with the first id standing in for the ids not
+  // read, for the first id, then the rest.
+  __device__ __forceinline__ bool uniform_span(int begin, int end) const {
+    const int lane = static_cast<int>(threadIdx.x % kLanes);
+    if (lane > pack() || pack() - lane + kLanes > packs()) return false;
+    const int32_t* const ids = this->ids();
+    const int n = end - begin + P;  // the ids to compare
+    const int32_t first_id = ids[std::max(begin - P, first_step())];
+    const int32_t* const row = ids + (begin - P + lane);
+    // at[m]: id m * kLanes + lane of the n (step begin - P + m * kLanes + lane), where it is one.
+    constexpr int kReads = (kSegmentSpan + P + kLanes - 1) / kLanes;
+    int32_t at[kReads];
+    at[0] = lane < n ? ids[std::max(begin - P + lane, first_step())] : 0;
+#pragma unroll
+    for (int m = 1; m < kReads; ++m) at[m] = m * kLanes + lane < n ? row[m * kLanes] : 0;
+    bool same = first_id >= 0;
+#pragma unroll
+    for (int m = 0; m < kReads; ++m) same &= m * kLanes + lane >= n || at[m] == first_id;
+    return __all_sync(kFullWarp, same);
   }
 
   // seg() of step j's time, ids = ids(): as Conv::segment has it, times before 0 (the initial
@@ -238,6 +281,9 @@ struct SegmentSteps {
   __device__ __forceinline__ int first_step() const {
     return -static_cast<int>(std::min<int64_t>(t0, P));
   }
+  // The thread's channel pack, and the row's packs.
+  __device__ __forceinline__ int pack() const { return static_cast<int>(d0 / C); }
+  __device__ __forceinline__ int packs() const { return static_cast<int>(p.channels / C); }
 };
 
 // N consecutive seq_idx entries (N a multiple of 4, 16-byte aligned), or -1 (no segment) where
@@ -450,41 +496,25 @@ __host__ __device__ __forceinline__ int64_t channel_first_items(const ConvParams
   return p.batch * ((p.channels + G - 1) / G) * chunks;
 }
 
-// The seq_idx entries of times [t0 - B, t0 + V + A) of a row as the masks read them (DESIGN.md
-// section 2): seg(u) = the row's first entry for u < 0 (the initial state belongs to the row's
-// first segment), -1 (no time: no tap reads it, no output is kept) for u >= length. t0 and length
-// are multiples of V, and V of 4, so each aligned four lies wholly before 0, in the row or past it.
-template <int V, int B, int A>
-__device__ __forceinline__ void load_segment_window(const int32_t* row, int64_t t0, int64_t length,
-                                                    int32_t (&out)[B + V + A]) {
-  constexpr int kBefore = (B + 3) / 4 * 4, kAfter = (A + 3) / 4 * 4;
-  // A lane past the row's end (t0 >= length) has none of its window's times in the row either.
-  const int32_t first = B > 0 && t0 < kBefore ? __ldg(row) : -1;  // seg(u), u < 0
-  int32_t all[kBefore + V + kAfter];
-  for (int i = 0; i < kBefore + V + kAfter; i += 4) {
-    const int64_t u = t0 + i - kBefore;  // the four's first time
-    const bool in_row = u >= 0 && u < length;
-    const Vec<int32_t, 4> four = in_row ? load_readonly<int32_t, 4>(row + u)
-                                        : Vec<int32_t, 4>{{-1, -1, -1, -1}};
-    for (int j = 0; j < 4; ++j) all[i + j] = in_row || u >= 0 ? four.v[j] : first;
-  }
-  for (int j = 0; j < B + V + A; ++j) out[j] = all[kBefore - B + j];
-}
-
-// load_segment_window<V, P, 0> for a forward lane whose outputs are kept only where t0 < length:
-// a lane past the row's end reads the last pack's entries instead (its outputs are not kept), so
-// that only the fours before the row need a select and no load a range test. At bf16 K = 4 the
-// general window's range tests, defaults and selects were about 55 of a masked segment's 272
-// instructions; with this one it took 263 and the kernel 72 registers instead of 79 (7 blocks per
-// SM instead of 6).
-// kInRow: the caller knows t0 < length. Every load is at an immediate offset from the lane's pack
-// or, before the row, from a pointer that depends on the row only (kept out of the segment loop):
-// selecting the offset for each load took 30 instructions of 64-bit address arithmetic and
-// selects at bf16 K = 4, this 25.
+// The seq_idx entries of a channel-first lane's window as the masks read them (DESIGN.md section
+// 2): seg(u) = the row's first entry for u < 0 (the initial state belongs to the row's first
+// segment), -1 (no time: no tap reads it, no output is kept) for u >= length. t0 (the lane's first
+// time) and length are multiples of V, and V of 4, so each aligned four lies wholly before 0, in
+// the row or past it. Both windows serve lanes whose results are kept only where t0 < length: a
+// lane past the row's end reads the last pack's entries instead, so that no load needs a range
+// test. kInRow: the caller knows the window's times before the row's end.
+//
+// Times [t0 - P, t0 + V), for outputs t0 .. t0 + V - 1 (forward outputs, backward deltas): only
+// the fours before the row need a select. At bf16 K = 4 the general window's range tests,
+// defaults and selects were about 55 of a masked forward segment's 272 instructions; with this
+// one it took 263 and the kernel 72 registers instead of 79 (7 blocks per SM instead of 6). Every
+// load is at an immediate offset from the lane's pack or, before the row, from a pointer that
+// depends on the row only (kept out of the segment loop): selecting the offset for each load took
+// 30 instructions of 64-bit address arithmetic and selects at bf16 K = 4, this 25.
 template <int V, int P, bool kInRow = false>
-__device__ __forceinline__ void load_forward_segment_window(const int32_t* row, int64_t t0,
-                                                            int64_t length,
-                                                            int32_t (&out)[P + V]) {
+__device__ __forceinline__ void load_segment_window_before(const int32_t* row, int64_t t0,
+                                                           int64_t length,
+                                                           int32_t (&out)[P + V]) {
   constexpr int kBefore = (P + 3) / 4 * 4;
   const int64_t at = kInRow || t0 < length ? t0 : length - V;  // the pack read, a multiple of 4
   const int32_t* const pack = row + at;
@@ -499,9 +529,27 @@ __device__ __forceinline__ void load_forward_segment_window(const int32_t* row, 
   for (int j = 0; j < P + V; ++j) out[j] = all[kBefore - P + j];
 }
 
+// Times [t0, t0 + V + A), for the backward's dx of inputs t0 .. t0 + V - 1: only the fours after
+// the pack need a range test (-1 past the row), none with kInRow (t0 + V + A <= length).
+template <int V, int A, bool kInRow = false>
+__device__ __forceinline__ void load_segment_window_after(const int32_t* row, int64_t t0,
+                                                          int64_t length, int32_t (&out)[V + A]) {
+  constexpr int kAfter = (A + 3) / 4 * 4;
+  const int64_t at = kInRow || t0 < length ? t0 : length - V;  // the pack read, a multiple of 4
+  const int32_t* const pack = row + at;
+  int32_t all[V + kAfter];
+  for (int i = 0; i < V + kAfter; i += 4) {
+    const bool in_row = kInRow || i < V || at + i < length;
+    const Vec<int32_t, 4> four =
+        in_row ? load_readonly<int32_t, 4>(pack + i) : Vec<int32_t, 4>{{-1, -1, -1, -1}};
+    for (int j = 0; j < 4; ++j) all[i + j] = four.v[j];
+  }
+  for (int j = 0; j < V + A; ++j) out[j] = all[j];
+}
+
 // Segments of 32 V times s_j = s + j 32 V of a row, j < count, that are uniform: every time u of
 // a window around s_j that is before the row's end has one and the same seq_idx entry >= 0 (u < 0:
-// the row's first entry, as in load_segment_window). Then every mask of the outputs that read
+// the row's first entry, as in load_segment_window_before). Then every mask of the outputs that read
 // only the window's times holds (none is padding, every tap is used), and the unmasked arithmetic
 // gives their bits; times past the row are no output's and no tap's.
 struct UniformSegments {

@@ -131,9 +131,13 @@ __global__ void __launch_bounds__(kForwardThreads, forward_channel_last_min_bloc
         }
       };
       if constexpr (kMasked) {
-        // The forward has no edge steps: every other step is one that needs the tap tests.
-        segments.run(0, steps, 0, steps, uniform,
-                     [&](int step, bool) { step_at(step, segments.taps(step), p.silu); });
+        // The forward has no edge steps: every other step is one that needs the tap tests. Its
+        // pieces (56-63 steps on the main workload) take two checks, and its masked kernels have
+        // no register bound: with spans, bf16 K = 5 / 7 and f16 K = 3 to 5 took 8-21 registers
+        // more (bf16 K = 7 96 -> 117, a block per SM fewer).
+        segments.template run<false>(
+            0, steps, 0, steps, uniform,
+            [&](int step, bool) { step_at(step, segments.taps(step), p.silu); });
       } else {
         uniform(kDown ? P : 0, rows);
       }
@@ -188,20 +192,19 @@ constexpr int kForwardAhead = 3;
 
 // Blocks of kChannelFirstThreads per SM the channel-first forward's registers must allow (0: no
 // bound). The masked kernel computes its masked segments in its loop (the seq_idx window, its
-// compares and selects held there), which needs 74-96 registers up to K = 6 and 113-116 for
-// 16-bit K >= 7. On the packed workload (bf16 K = 4, B=8 L=2048 D=4096, 4 sequences a row, with
-// states) it ran in 96.8 us at 6 blocks (80 registers, no spills) and 97.5 at 8 (spilling 84 B),
-// where the loop over the uniform segments with a second pass for the masked ones took 104.2 at 8
-// blocks; 9 blocks lost 6 us. So the masked kernels get 6 blocks where ptxas spills nothing there
-// and otherwise the most blocks at which it spills nothing: 5 for f16 K = 4-6, bf16 K = 6 and
-// f32 K = 8, no bound for 16-bit K >= 7 (4 blocks; at 5 they spill 4-36 bytes). f32 K = 7, which
-// had 6 blocks at a bound of 5 (80 registers), took 82 (5 blocks) with the rotating halo: it asks
-// for 6 (79, no spills). 7 blocks would spill nothing for bf16 and f32 up to K = 3 (and f32
-// K = 4) but were not measured. With channel_first_outputs' masked outputs free of branches
-// (masked segment 263 -> 216 instructions at bf16 K = 4), bf16 K = 3-4 and f16 K = 3 took 77-80
-// registers at a bound of 6 where they had 72 (7 blocks), and f16 K = 4 86 where it had 80 (6
-// blocks): bounds of 7 and 6 keep them at 72 and 80, no spills, the masked segment as short.
-// bf16 K = 4 takes 6 instead, for its unrolled turn (channel_first_forward_turn).
+// compares and selects held there). On the packed workload (bf16 K = 4, B=8 L=2048 D=4096, 4
+// sequences a row, with states) it ran in 96.8 us at 6 blocks (80 registers, no spills) and 97.5
+// at 8 (spilling 84 B), where the loop over the uniform segments with a second pass for the masked
+// ones took 104.2 at 8 blocks; 9 blocks lost 6 us. Each masked kernel takes the most blocks at
+// which its unrolled turn (channel_first_forward_turn, worth a block at bf16 K = 4) spills nothing
+// (ptxas -v; the slots in registers, no local memory in the SASS): registers (blocks)
+//   f32:  K = 2-3 64 (8), K = 4-5 72 (7), K = 6 80 (6), K = 7 94 and K = 8 96 (5, left free);
+//   f16:  K = 2 72 (7), K = 3-5 79-80 (6), K = 6-7 96 (5, left free), K = 8 96 (5; left free it
+//         spilled 4 bytes);
+//   bf16: K = 2-3 72 (7), K = 4-5 80 (6), K = 6-8 96 (5, left free).
+// One block fewer than with one segment a turn for f16 K = 3 (7 blocks spilled 16 bytes) and f32
+// K = 7 (6 blocks spilled 16 bytes). Where 5 blocks is all that fits, ptxas left free took 96
+// registers or fewer without spilling and a loop 1-6% shorter than at a bound of 5.
 //
 // Unmasked 16-bit kernels up to K = 4 asked for 9 blocks (56 registers, no spills): on the main
 // workload that took 81.5 us against 85.3 with 4 blocks of 256 (63 registers). With the loop's
@@ -214,9 +217,9 @@ constexpr int kForwardAhead = 3;
 template <typename T, int K, bool kMasked>
 constexpr int channel_first_forward_min_blocks() {
   if constexpr (kMasked) {
-    if constexpr (sizeof(T) == 4) return K <= 7 ? 6 : 5;
-    if constexpr (std::is_same_v<T, __half>) return K <= 3 ? 7 : (K == 4 ? 6 : (K <= 6 ? 5 : 0));
-    return K <= 3 ? 7 : (K <= 5 ? 6 : (K <= 6 ? 5 : 0));
+    if constexpr (sizeof(T) == 4) return K <= 3 ? 8 : (K <= 5 ? 7 : (K == 6 ? 6 : 0));
+    if constexpr (std::is_same_v<T, __half>) return K == 2 ? 7 : (K <= 5 ? 6 : (K == 8 ? 5 : 0));
+    return K <= 3 ? 7 : (K <= 5 ? 6 : 0);
   }
   if constexpr (sizeof(T) == 2) {
     return K == 2 ? 10 : (K <= 6 ? 9 : 0);
@@ -227,28 +230,39 @@ constexpr int channel_first_forward_min_blocks() {
 // Segments a turn of the channel-first forward's loop takes: kForwardAhead, so that the slots of
 // the packs in flight stay in place (a queue shifted each segment cost a move per word, about 1.75
 // instructions per element at bf16 K = 4), where the unrolled turn fits the blocks of
-// channel_first_forward_min_blocks without spilling; else 1: unrolled, 16-bit K = 6 and 8 and f32
-// K >= 5 spilled 12-32 bytes there or took a block fewer, and the masked kernels spilled 16-32
-// bytes at 16-bit K = 4-6 (and did not unroll on their own, the slots going to local memory).
-// With the masked segments' outputs free of branches, the masked bf16 K = 4 kernel unrolls at 6
-// blocks (80 registers, no spills; at 7 it spilled 16 bytes): a uniform segment 144 -> 125
-// instructions, a masked one 216 -> 195; on the H200 the packed BDL forward's kernel (bench.py's
-// features case) 93.2 -> 86.1 us against 7 blocks of kTurn = 1 (eighteenth session).
+// channel_first_forward_min_blocks without spilling; else 1: unrolled, the unmasked 16-bit K = 6
+// and 8 and f32 K >= 5 spilled 12-32 bytes there or took a block fewer.
+//
+// The masked kernels all unroll (with the masked segments' outputs free of branches, at the bounds
+// above). Instructions a segment, uniform / masked, one segment a turn -> kForwardAhead:
+//   f32:  K = 2 82 / 118 -> 60 / 95,   K = 3 89 / 131 -> 67 / 109,  K = 4 96 / 143 -> 74 / 121,
+//         K = 5 103 / 154 -> 81 / 131, K = 6 116 / 183 -> 95 / 161, K = 7 125 / 197 -> 97 / 165,
+//         K = 8 134 / 211 -> 107 / 182;
+//   f16:  K = 2 122 / 176 -> 97 / 150,  K = 3 133 / 196 -> 105 / 167, K = 4 144 / 216 -> 118 / 188,
+//         K = 5 155 / 235 -> 126 / 205, K = 6 166 / 266 -> 135 / 232, K = 7 180 / 283 -> 144 / 250,
+//         K = 8 185 / 297 -> 158 / 275;
+//   bf16: K = 2 122 / 176 -> 104 / 156, K = 3 133 / 196 -> 114 / 176, K = 4 144 / 216 -> 124 / 195,
+//         K = 5 155 / 235 -> 134 / 213, K = 6 166 / 266 -> 141 / 238, K = 7 175 / 278 -> 151 / 257,
+//         K = 8 185 / 297 -> 162 / 279
+// (the loop scripts/sass_census.py finds, counted along its uniform and its masked branches). On
+// the H200 the packed BDL forward's kernel at bf16 K = 4 (bench.py's features case) went 93.2 ->
+// 86.1 us at 6 blocks against 7 blocks of one segment a turn (eighteenth session).
 template <typename T, int K, bool kMasked>
 constexpr int channel_first_forward_turn() {
-  if constexpr (kMasked) return std::is_same_v<T, __nv_bfloat16> && K == 4 ? kForwardAhead : 1;
+  if constexpr (kMasked) return kForwardAhead;
   if constexpr (sizeof(T) == 2) return K <= 5 || K == 7 ? kForwardAhead : 1;
   return K <= 4 ? kForwardAhead : 1;
 }
 
 // Whether the channel-first forward writes the final state itself, from its last segment (the
 // launch then needs no final-state kernel): with seq_idx, but for f16 and f32 K = 3 and 5, where
-// that code cost a block per SM (with load_segment_window: f16 72 -> 77 and 80 -> 92 registers,
-// f32 64 -> 67 and 72 -> 74; the others took 0-4 registers more within their blocks). In the
+// that code cost a block per SM (with the range-tested seq_idx window of then: f16 72 -> 77 and
+// 80 -> 92 registers, f32 64 -> 67 and 72 -> 74; the others took 0-4 registers more within their
+// blocks). In the
 // unmasked kernels (with their last turn's segments in the tail) it spilled 12-180 bytes at bf16
 // K = 2, 16-bit K = 5-6 and f32 K = 5, or took up to 16 registers more. On the H200 the packed
 // channel-first forward (bf16 B=8 L=2048 D=4096 K=4) went 107.2 -> 101.5 us with this and
-// load_forward_segment_window (benchmarks/RESULTS.md, fourteenth session).
+// load_segment_window_before (benchmarks/RESULTS.md, fourteenth session).
 template <typename T, int K, bool kMasked>
 constexpr bool channel_first_forward_final_state() {
   return kMasked && ((K != 3 && K != 5) || std::is_same_v<T, __nv_bfloat16>);
@@ -329,7 +343,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
         channel_first_outputs<false>(w, bias[0], xs, nullptr, silu, out);
       } else {
         int32_t segments[P + V];
-        load_forward_segment_window<V, P, kWhole>(segment_row, s + lane * V, p.length, segments);
+        load_segment_window_before<V, P, kWhole>(segment_row, s + lane * V, p.length, segments);
         if (ends_row) store_final_state<true, K, V>(state_row, xs, segments);
         channel_first_outputs<true>(w, bias[0], xs, segments, silu, out);
       }

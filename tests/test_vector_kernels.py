@@ -22,8 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import DEVICES, GPU, assert_close, device, to_f64
+from conftest import DEVICES, GPU, assert_close, device, make_inputs, to_f64
 from test_backward import compare, inputs, packed_seq_idx
+from test_forward import run_and_compare
 
 import jax_causal_conv as jcc
 from jax_causal_conv import reference
@@ -129,12 +130,14 @@ def test_segment_boundaries(dev, width, channels, state):
         compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BLD", final="random")
 
 
-# Forward pieces of 64 steps and backward tiles longer than 64 (256 steps: 256 columns cut into
-# the 128 pieces a row that make the launch's 32768 threads), with random segments of 1 to 300
-# steps and padding runs, so that boundaries fall at every offset within pieces, tiles and checks.
+# Forward pieces of 64 steps and backward tiles longer than 64 (256 to 512 steps: the columns
+# cut into the pieces a row that make the launch's 32768 threads), with random segments of 1 to
+# 300 steps and padding runs, so that boundaries fall at every offset within pieces, tiles and
+# checks: the backward's 128-step spans (ids begin - P .. begin + 127, 5 reads a lane) among them.
+@pytest.mark.parametrize("width", [2, 4, 8])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("dev", GPU)
-def test_segment_boundaries_long_rows(dev, dtype):
+def test_segment_boundaries_long_rows(dev, dtype, width):
     rng = np.random.default_rng(11)
     length = 32768
     rows = []
@@ -145,7 +148,7 @@ def test_segment_boundaries_long_rows(dev, dtype):
             ids[t:t + n] = -1 if rng.random() < 0.1 else t
             t += n
         rows.append(ids)
-    args, seq_idx = inputs(rng, dtype, batch=2, length=length, channels=512, width=4,
+    args, seq_idx = inputs(rng, dtype, batch=2, length=length, channels=512, width=width,
                            layout="BLD", seq_idx=np.stack(rows))
     compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BLD", final="random")
 
@@ -250,12 +253,17 @@ def test_cf_seq_idx_rows():
 def test_channel_first_seq_idx(dev, dtype, width, state):
     """Few rows: on the GPU every segment is an item of its own (the P times before it and, in the
     backward, the segment after it come from the neighbouring items' times)."""
+    check_cf_seq_idx(dev, dtype, width, state, channels=3)
+
+
+def check_cf_seq_idx(dev, dtype, width, state, channels):
+    """cf_seq_idx's rows, 6 segments and 2 packs long, against the reference."""
     rng = np.random.default_rng(width)
     segment = segment_len(dtype)
     length = 6 * segment + 2 * 16 // jnp.dtype(dtype).itemsize  # a last segment of two packs
     seq = cf_seq_idx(length, segment, width)
-    args, seq_idx = inputs(rng, dtype, batch=len(seq), length=length, channels=3, width=width,
-                           layout="BDL", state=state, seq_idx=seq)
+    args, seq_idx = inputs(rng, dtype, batch=len(seq), length=length, channels=channels,
+                           width=width, layout="BDL", state=state, seq_idx=seq)
     grads, _ = compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL",
                        final="random")
     np.testing.assert_array_equal(grads["x"][5], 0)  # the all-padding row
@@ -276,6 +284,35 @@ def test_channel_first_seq_idx_large(dev, dtype, shape):
     seq = cf_seq_idx(shape["length"], segment_len(dtype), 4)[[2, 3]]
     args, seq_idx = inputs(rng, dtype, width=4, layout="BDL", seq_idx=seq, **shape)
     compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL", final="random")
+
+
+# The masked forward's loop (kForwardAhead segments a turn, then a tail of up to three) at every
+# dtype and width: on the H200, 2048 rows of 4 channels make items of whole rows of 8 segments
+# (16-bit) and of 6, 8 or 16 (float32), so that turns hold uniform and masked segments at each of
+# their three places; L = 2040 ends each row in a segment of 31 (16-bit) or 30 packs. Forward
+# only: the tests above reach the backward's loop.
+@pytest.mark.parametrize("width", range(2, 9))
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dev", GPU)
+def test_channel_first_seq_idx_turns(dev, dtype, width):
+    rng = np.random.default_rng(width)
+    length = 2040
+    made = make_inputs(rng, batch=4, length=length, channels=2048, width=width, dtype=dtype,
+                       layout="BDL", initial_state=True)
+    made["seq_idx"] = jnp.asarray(cf_seq_idx(length, segment_len(dtype), width)[1:5])
+    run_and_compare(made, dev, dtype=dtype, activation="silu", return_final_state=True,
+                    layout="BDL", what=f"K{width}")
+
+
+# Enough rows (6 x 1024: on the H200 the backward's items are whole rows of 7 segments) that items
+# hold several segments, for every dtype and width: the backward's masked segments then run in its
+# interior loop too (both segments of a dx the item's own: seq_idx windows without range tests),
+# where test_channel_first_seq_idx's items are single segments and the large case has K = 4 only.
+@pytest.mark.parametrize("width", range(2, 9))
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dev", GPU)
+def test_channel_first_seq_idx_items(dev, dtype, width):
+    check_cf_seq_idx(dev, dtype, width, True, channels=1024)
 
 
 # ---- channel-first short rows: 32 / group rows per warp, group lanes (a power of two) per row ----
