@@ -318,8 +318,7 @@ __device__ __forceinline__ void channel_first_deltas(const float (&w)[K][1], flo
     const float z = channel_first_pre_activation<kSelect, kBitMask>(w, bias, xs, segments, v);
     const float d = activation_vjp(dy[v], z, silu);  // before the select: no branch around it
     if constexpr (kBitMask) {
-      const int32_t kept = exists ? ~(segments[P + v] >> 31) : 0;  // all ones unless padding
-      delta[v] = __int_as_float(__float_as_int(d) & kept);
+      delta[v] = zero_at_padding(d, exists ? segments[P + v] : -1);
     } else {
       const bool output = exists && !(kSelect && segments[P + v] < 0);
       delta[v] = output ? d : 0.0f;
@@ -543,15 +542,9 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
               acc = used ? fmaf(w[k][0], after[at - V], acc) : acc;
             }
           }
-          if constexpr (kSelect) {
-            // The taps compare ids only, and dx is zeroed at padding by a mask of the bits: where
-            // x_{t0+j} is not padding, equal ids are same_segment's test; where it is, no output
-            // reads it (dx 0.0f, as before).
-            const int32_t kept = ~(segments[j] >> 31);
-            g[j] = __int_as_float(__float_as_int(acc) & kept);
-          } else {
-            g[j] = acc;
-          }
+          // With kSelect the taps compare ids only, and dx is zeroed at padding: where x_{t0+j}
+          // is not padding, equal ids are same_segment's test; where it is, no output reads it.
+          g[j] = kSelect ? zero_at_padding(acc, segments[j]) : acc;
         }
       };
       if (!masked) {

@@ -162,15 +162,7 @@ __device__ __forceinline__ void channel_first_outputs(const float (&w)[K][1], fl
   for (int v = 0; v < V; ++v) {
     const float y = activate(channel_first_pre_activation<kSelect, true>(w, bias, xs, segments, v),
                             silu);
-    if constexpr (kSelect) {
-      // 0.0f at padding by a mask of the bits rather than a select, which ptxas turned into a
-      // branch around each output's arithmetic (about 5 instructions an output at bf16 K = 4,
-      // the activation's test repeated in each).
-      const int32_t kept = ~(segments[P + v] >> 31);  // all ones unless the id is negative
-      out[v] = __int_as_float(__float_as_int(y) & kept);
-    } else {
-      out[v] = y;
-    }
+    out[v] = kSelect ? zero_at_padding(y, segments[P + v]) : y;
   }
 }
 
