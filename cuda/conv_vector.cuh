@@ -362,17 +362,6 @@ struct ChannelFirstItem {
     param_row = param_row_of(p, b, d, split.batch_per_group);
   }
 
-  // This item, its fields opaque to the compiler: held in registers through a loop over the
-  // item's channels (for_each_channel_first_item), where NVVM otherwise computed them again for
-  // each channel, the three divisions included (the masked bf16 K = 4 forward: 82 instructions a
-  // channel, at the same 80 registers).
-  __device__ __forceinline__ ChannelFirstItem opaque() const {
-    ChannelFirstItem item = *this;
-    asm("" : "+l"(item.chunks), "+l"(item.chunk), "+l"(item.row), "+l"(item.b), "+l"(item.d),
-        "+l"(item.c0), "+l"(item.c1), "+l"(item.param_row));
-    return item;
-  }
-
   // The same times of channel d + offset.
   __device__ __forceinline__ ChannelFirstItem channel(int offset) const {
     ChannelFirstItem other = *this;
@@ -483,6 +472,31 @@ __device__ __forceinline__ float channel_first_pre_activation(const float (&w)[K
 // repeated in each).
 __device__ __forceinline__ float zero_at_padding(float value, int32_t id) {
   return __int_as_float(__float_as_int(value) & ~(id >> 31));  // all ones unless id < 0
+}
+
+// A raw word of V elements of T (to_raw of narrow's pack) with those at padding (ids[v] < 0)
+// zeroed, as zero_at_padding zeroes a float: a mask of the bits. For 16-bit T one PRMT replicates
+// the sign bits of two ids over their elements' halves of a 4-byte word, so two outputs take a
+// PRMT and a LOP3 where the floats took a shift and a LOP3 each.
+template <typename T, int V>
+__device__ __forceinline__ RawFor<T, V> zero_padding(const RawFor<T, V>& raw, const int32_t* ids) {
+  constexpr int kPerWord = 4 / static_cast<int>(sizeof(T));
+  static_assert(V % kPerWord == 0, "whole words");
+  uint32_t words[V / kPerWord];
+  memcpy(words, &raw, sizeof words);
+  for (int i = 0; i < V / kPerWord; ++i) {
+    uint32_t padding;  // all ones over each element at padding
+    if constexpr (kPerWord == 2) {
+      // Selector nibbles 0xb and 0xf: byte 3 of ids[2i] and of ids[2i + 1], sign replicated.
+      asm("prmt.b32 %0, %1, %2, 0xffbb;" : "=r"(padding) : "r"(ids[2 * i]), "r"(ids[2 * i + 1]));
+    } else {
+      padding = static_cast<uint32_t>(ids[i] >> 31);
+    }
+    words[i] &= ~padding;
+  }
+  RawFor<T, V> out;
+  memcpy(&out, words, sizeof words);
+  return out;
 }
 
 // ---- seq_idx in channel-first rows ----
@@ -684,9 +698,8 @@ __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
           std::min<int64_t>(kUniformSegments, (end - first.c0 + kSegment - 1) / kSegment));
       const UniformSegments uniform =
           uniform_segments<V, P>(p.seq_idx + first.b * p.length, first.c0, count, p.length, lane);
-      const ChannelFirstItem item = first.opaque();
-      const int channels = static_cast<int>(std::min<int64_t>(G, p.channels - item.d));
-      for (int g = 0; g < channels; ++g) run(item.channel(g), uniform);
+      const int channels = static_cast<int>(std::min<int64_t>(G, p.channels - first.d));
+      for (int g = 0; g < channels; ++g) run(first.channel(g), uniform);
     }
   }
 }

@@ -151,9 +151,10 @@ __global__ void __launch_bounds__(kForwardThreads, forward_channel_last_min_bloc
 }
 
 // y of a channel-first lane's pack from xs = x_{t0-P} .. x_{t0+V-1}. With kSelect, seq_idx's
-// masks, segments[j] being the entry of xs[j]; without, every tap.
+// masks, segments[j] being the entry of xs[j]; without, every tap. kZeroPadding: the outputs at
+// padding are zeroed here (else the caller zeroes them, see zero_padding).
 // silu: a bool, or a std::bool_constant where the kernel chose the activation once.
-template <bool kSelect, int K, int V, typename Silu>
+template <bool kSelect, bool kZeroPadding = kSelect, int K, int V, typename Silu>
 __device__ __forceinline__ void channel_first_outputs(const float (&w)[K][1], float bias,
                                                       const float (&xs)[K - 1 + V],
                                                       const int32_t* segments, Silu silu,
@@ -162,7 +163,7 @@ __device__ __forceinline__ void channel_first_outputs(const float (&w)[K][1], fl
   for (int v = 0; v < V; ++v) {
     const float y = activate(channel_first_pre_activation<kSelect, true>(w, bias, xs, segments, v),
                             silu);
-    out[v] = kSelect ? zero_at_padding(y, segments[P + v]) : y;
+    out[v] = kZeroPadding ? zero_at_padding(y, segments[P + v]) : y;
   }
 }
 
@@ -328,18 +329,21 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
       float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}, t0 = s + lane V
       carry.advance(own, lane, xs);
       float out[V];
+      RawFor<T, V> ys;  // out, narrowed (a Vec of 16-bit values took PRMTs to cross the branches)
       // The final state before the outputs, whose registers are not live yet.
       T* const state_row = static_cast<T*>(p.final_state) + item.row * P;
       if (!masked) {
         if (ends_row) store_final_state<false, K, V>(state_row, xs, nullptr);
         channel_first_outputs<false>(w, bias[0], xs, nullptr, silu, out);
+        ys = to_raw(narrow<T, V>(out));
       } else {
         int32_t segments[P + V];
         load_segment_window_before<V, P, kWhole>(segment_row, s + lane * V, p.length, segments);
         if (ends_row) store_final_state<true, K, V>(state_row, xs, segments);
-        channel_first_outputs<true>(w, bias[0], xs, segments, silu, out);
+        channel_first_outputs<true, false>(w, bias[0], xs, segments, silu, out);
+        ys = zero_padding<T, V>(to_raw(narrow<T, V>(out)), segments + P);
       }
-      if (kWhole || s < lane_end) store_vec(y + lane_at + s, narrow<T, V>(out));
+      if (kWhole || s < lane_end) store_vec(y + lane_at + s, from_raw<T, V>(ys));
     };
     int64_t s = item.c0;
     const int64_t steady_end = kFinalState ? item.c1 - 1 : item.c1;  // last segment: the tail's
