@@ -673,12 +673,20 @@ __device__ __forceinline__ void halo_after(const U (&own)[V], const U (&next)[V]
   }
 }
 
+// What for_each_channel_first_item holds opaque to the compiler through an item's channels, so
+// that NVVM keeps it in registers where it otherwise computed it again for each channel from the
+// item's index (by the three divisions of ChannelFirstItem): nothing; the channel count (the
+// loop's test: about 35 instructions a channel in the masked forward, no more registers); or the
+// count and the item's row and param_row (the channels' are theirs plus g: about 85 instructions
+// more a channel, and 4 registers more across the kernel's loops).
+enum class ItemKept { kNothing, kChannels, kRows };
+
 // Runs run(item, uniform) for this warp's channel-first items (a grid-stride loop over warps) of
 // rows cut as split says (channels_per_item<kMasked>() channels per item). With seq_idx the
 // channels of an item share one UniformSegments, found over its segments from c0 to
 // min(c1 + extra, L): the times it loads (the backward's dx also needs the P after its own).
-// Without seq_idx, all zero.
-template <int V, int P, bool kMasked, typename Run>
+// Without seq_idx, all zero. kKept: see ItemKept.
+template <int V, int P, bool kMasked, ItemKept kKept = ItemKept::kNothing, typename Run>
 __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
                                                             const ChannelFirstSplit& split,
                                                             int64_t extra, const Run& run) {
@@ -698,8 +706,14 @@ __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
           std::min<int64_t>(kUniformSegments, (end - first.c0 + kSegment - 1) / kSegment));
       const UniformSegments uniform =
           uniform_segments<V, P>(p.seq_idx + first.b * p.length, first.c0, count, p.length, lane);
-      const int channels = static_cast<int>(std::min<int64_t>(G, p.channels - first.d));
-      for (int g = 0; g < channels; ++g) run(first.channel(g), uniform);
+      int channels = static_cast<int>(std::min<int64_t>(G, p.channels - first.d));
+      ChannelFirstItem item = first;
+      if constexpr (kKept == ItemKept::kRows) {
+        asm("" : "+r"(channels), "+l"(item.row), "+l"(item.param_row));
+      } else if constexpr (kKept == ItemKept::kChannels) {
+        asm("" : "+r"(channels));
+      }
+      for (int g = 0; g < channels; ++g) run(item.channel(g), uniform);
     }
   }
 }

@@ -261,6 +261,22 @@ constexpr bool channel_first_forward_final_state() {
   return kMasked && ((K != 3 && K != 5) || std::is_same_v<T, __nv_bfloat16>);
 }
 
+// What the masked channel-first forward keeps through an item's channels (ItemKept): the rows
+// where that fits the registers of channel_first_forward_min_blocks without spilling, else the
+// channel count. Keeping the rows, f32 K = 3-6, f16 K = 5 and bf16 K = 3 and 5 spilled 16-28
+// bytes, and f16 K = 6-7 and bf16 K = 6-8 took 106-114 registers (from 96, a block per SM fewer);
+// the others kept their registers (f16 K = 3 and f32 K = 7 one or two more, their blocks the
+X
+// instructions to 1085.
+template <typename T, int K>
+constexpr ItemKept channel_first_forward_kept() {
+  if constexpr (sizeof(T) == 4) return K == 2 || K >= 7 ? ItemKept::kRows : ItemKept::kChannels;
+  if constexpr (std::is_same_v<T, __half>) {
+    return K <= 4 || K == 8 ? ItemKept::kRows : ItemKept::kChannels;
+  }
+  return K == 2 || K == 4 ? ItemKept::kRows : ItemKept::kChannels;
+}
+
 // (B, D, L), L a multiple of the pack V: a warp streams chunk_len times of one (b, d) row, lane l
 // owning V consecutive times of each 32 V-time segment; the K-1 inputs before a lane's pack come
 // from its lower neighbours by shuffle. The next kForwardAhead segments' packs are in flight.
@@ -362,7 +378,8 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
     }
   };
   const auto run_items = [&](auto silu) {
-    for_each_channel_first_item<V, P, kMasked>(
+    for_each_channel_first_item<V, P, kMasked, kMasked ? channel_first_forward_kept<T, K>()
+                                                       : ItemKept::kNothing>(
         p, split, 0,
         [&](const ChannelFirstItem& item, UniformSegments masks) { run(item, masks, silu); });
   };
