@@ -194,7 +194,8 @@ constexpr int kForwardAhead = 3;
 //   f32:  K = 2-3 64 (8), K = 4-5 72 (7), K = 6 80 (6), K = 7 94 and K = 8 96 (5, left free);
 //   f16:  K = 2 72 (7), K = 3-5 79-80 (6), K = 6-7 96 (5, left free), K = 8 96 (5; left free it
 //         spilled 4 bytes);
-//   bf16: K = 2-3 72 (7), K = 4-5 80 (6), K = 6-8 96 (5, left free).
+//   bf16: K = 2-3 72 (7), K = 4-5 80 (6), K = 6-7 96 (5, left free), K = 8 96 (5; left free, with
+//         the outputs at padding zeroed on the narrowed words, it took 112-121 registers).
 // One block fewer than with one segment a turn for f16 K = 3 (7 blocks spilled 16 bytes) and f32
 // K = 7 (6 blocks spilled 16 bytes). Where 5 blocks is all that fits, ptxas left free took 96
 // registers or fewer without spilling and a loop 1-6% shorter than at a bound of 5.
@@ -212,7 +213,7 @@ constexpr int channel_first_forward_min_blocks() {
   if constexpr (kMasked) {
     if constexpr (sizeof(T) == 4) return K <= 3 ? 8 : (K <= 5 ? 7 : (K == 6 ? 6 : 0));
     if constexpr (std::is_same_v<T, __half>) return K == 2 ? 7 : (K <= 5 ? 6 : (K == 8 ? 5 : 0));
-    return K <= 3 ? 7 : (K <= 5 ? 6 : 0);
+    return K <= 3 ? 7 : (K <= 5 ? 6 : (K == 8 ? 5 : 0));
   }
   if constexpr (sizeof(T) == 2) {
     return K == 2 ? 10 : (K <= 6 ? 9 : 0);
@@ -345,13 +346,15 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
       float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}, t0 = s + lane V
       carry.advance(own, lane, xs);
       float out[V];
-      RawFor<T, V> ys;  // out, narrowed (a Vec of 16-bit values took PRMTs to cross the branches)
+      // With seq_idx, out narrowed, its padding zeroed: a raw word (a Vec of 16-bit values took
+      // PRMTs to cross the branches).
+      RawFor<T, V> ys;
       // The final state before the outputs, whose registers are not live yet.
       T* const state_row = static_cast<T*>(p.final_state) + item.row * P;
       if (!masked) {
         if (ends_row) store_final_state<false, K, V>(state_row, xs, nullptr);
         channel_first_outputs<false>(w, bias[0], xs, nullptr, silu, out);
-        ys = to_raw(narrow<T, V>(out));
+        if constexpr (kMasked) ys = to_raw(narrow<T, V>(out));
       } else {
         int32_t segments[P + V];
         load_segment_window_before<V, P, kWhole>(segment_row, s + lane * V, p.length, segments);
@@ -359,7 +362,9 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
         channel_first_outputs<true, false>(w, bias[0], xs, segments, silu, out);
         ys = zero_padding<T, V>(to_raw(narrow<T, V>(out)), segments + P);
       }
-      if (kWhole || s < lane_end) store_vec(y + lane_at + s, from_raw<T, V>(ys));
+      if (kWhole || s < lane_end) {
+        store_vec(y + lane_at + s, kMasked ? from_raw<T, V>(ys) : narrow<T, V>(out));
+      }
     };
     int64_t s = item.c0;
     const int64_t steady_end = kFinalState ? item.c1 - 1 : item.c1;  // last segment: the tail's
