@@ -238,7 +238,8 @@ constexpr int channel_first_forward_min_blocks() {
 //   bf16: K = 2 122 / 176 -> 104 / 156, K = 3 133 / 196 -> 114 / 176, K = 4 144 / 216 -> 124 / 195,
 //         K = 5 155 / 235 -> 134 / 213, K = 6 166 / 266 -> 141 / 238, K = 7 175 / 278 -> 151 / 257,
 //         K = 8 185 / 297 -> 162 / 279
-// (the loop scripts/sass_census.py finds, counted along its uniform and its masked branches). On
+// (the loop scripts/sass_census.py finds, counted along its uniform and its masked branches;
+// zero_padding then took 7-8 more off each masked 16-bit segment: bf16 K = 4 195 -> 187). On
 // the H200 the packed BDL forward's kernel at bf16 K = 4 (bench.py's features case) went 93.2 ->
 // 86.1 us at 6 blocks against 7 blocks of one segment a turn (eighteenth session).
 template <typename T, int K, bool kMasked>
