@@ -474,6 +474,31 @@ __device__ __forceinline__ float zero_at_padding(float value, int32_t id) {
   return __int_as_float(__float_as_int(value) & ~(id >> 31));  // all ones unless id < 0
 }
 
+// A raw word of V elements of T (to_raw of narrow's pack) with those at padding (ids[v] < 0)
+// zeroed, as zero_at_padding zeroes a float: a mask of the bits. For 16-bit T one PRMT replicates
+// the sign bits of two ids over their elements' halves of a 4-byte word, so two outputs take a
+// PRMT and a LOP3 where the floats took a shift and a LOP3 each.
+template <typename T, int V>
+__device__ __forceinline__ RawFor<T, V> zero_padding(const RawFor<T, V>& raw, const int32_t* ids) {
+  constexpr int kPerWord = 4 / static_cast<int>(sizeof(T));
+  static_assert(V % kPerWord == 0, "whole words");
+  uint32_t words[V / kPerWord];
+  memcpy(words, &raw, sizeof words);
+  for (int i = 0; i < V / kPerWord; ++i) {
+    uint32_t padding;  // all ones over each element at padding
+    if constexpr (kPerWord == 2) {
+      // Selector nibbles 0xb and 0xf: byte 3 of ids[2i] and of ids[2i + 1], sign replicated.
+      asm("prmt.b32 %0, %1, %2, 0xffbb;" : "=r"(padding) : "r"(ids[2 * i]), "r"(ids[2 * i + 1]));
+    } else {
+      padding = static_cast<uint32_t>(ids[i] >> 31);
+    }
+    words[i] &= ~padding;
+  }
+  RawFor<T, V> out;
+  memcpy(&out, words, sizeof words);
+  return out;
+}
+
 // ---- seq_idx in channel-first rows ----
 //
 // In packed sequences nearly every segment of 32 V times lies inside one sequence, where every
@@ -648,12 +673,20 @@ __device__ __forceinline__ void halo_after(const U (&own)[V], const U (&next)[V]
   }
 }
 
+// What for_each_channel_first_item holds opaque to the compiler through an item's channels, so
+// that NVVM keeps it in registers where it otherwise computed it again for each channel from the
+// item's index (by the three divisions of ChannelFirstItem): nothing; the channel count (the
+// loop's test: about 35 instructions a channel in the masked forward, no more registers); or the
+// count and the item's row and param_row (the channels' are theirs plus g: about 85 instructions
+// more a channel, and 4 registers more across the kernel's loops).
+enum class ItemKept { kNothing, kChannels, kRows };
+
 // Runs run(item, uniform) for this warp's channel-first items (a grid-stride loop over warps) of
 // rows cut as split says (channels_per_item<kMasked>() channels per item). With seq_idx the
 // channels of an item share one UniformSegments, found over its segments from c0 to
 // min(c1 + extra, L): the times it loads (the backward's dx also needs the P after its own).
-// Without seq_idx, all zero.
-template <int V, int P, bool kMasked, typename Run>
+// Without seq_idx, all zero. kKept: see ItemKept.
+template <int V, int P, bool kMasked, ItemKept kKept = ItemKept::kNothing, typename Run>
 __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
                                                             const ChannelFirstSplit& split,
                                                             int64_t extra, const Run& run) {
@@ -673,8 +706,14 @@ __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
           std::min<int64_t>(kUniformSegments, (end - first.c0 + kSegment - 1) / kSegment));
       const UniformSegments uniform =
           uniform_segments<V, P>(p.seq_idx + first.b * p.length, first.c0, count, p.length, lane);
-      const int channels = static_cast<int>(std::min<int64_t>(G, p.channels - first.d));
-      for (int g = 0; g < channels; ++g) run(first.channel(g), uniform);
+      int channels = static_cast<int>(std::min<int64_t>(G, p.channels - first.d));
+      ChannelFirstItem item = first;
+      if constexpr (kKept == ItemKept::kRows) {
+        asm("" : "+r"(channels), "+l"(item.row), "+l"(item.param_row));
+      } else if constexpr (kKept == ItemKept::kChannels) {
+        asm("" : "+r"(channels));
+      }
+      for (int g = 0; g < channels; ++g) run(item.channel(g), uniform);
     }
   }
 }

@@ -151,9 +151,10 @@ __global__ void __launch_bounds__(kForwardThreads, forward_channel_last_min_bloc
 }
 
 // y of a channel-first lane's pack from xs = x_{t0-P} .. x_{t0+V-1}. With kSelect, seq_idx's
-// masks, segments[j] being the entry of xs[j]; without, every tap.
+// masks, segments[j] being the entry of xs[j]; without, every tap. kZeroPadding: the outputs at
+// padding are zeroed here (else the caller zeroes them, see zero_padding).
 // silu: a bool, or a std::bool_constant where the kernel chose the activation once.
-template <bool kSelect, int K, int V, typename Silu>
+template <bool kSelect, bool kZeroPadding = kSelect, int K, int V, typename Silu>
 __device__ __forceinline__ void channel_first_outputs(const float (&w)[K][1], float bias,
                                                       const float (&xs)[K - 1 + V],
                                                       const int32_t* segments, Silu silu,
@@ -162,7 +163,7 @@ __device__ __forceinline__ void channel_first_outputs(const float (&w)[K][1], fl
   for (int v = 0; v < V; ++v) {
     const float y = activate(channel_first_pre_activation<kSelect, true>(w, bias, xs, segments, v),
                             silu);
-    out[v] = kSelect ? zero_at_padding(y, segments[P + v]) : y;
+    out[v] = kZeroPadding ? zero_at_padding(y, segments[P + v]) : y;
   }
 }
 
@@ -193,7 +194,8 @@ constexpr int kForwardAhead = 3;
 //   f32:  K = 2-3 64 (8), K = 4-5 72 (7), K = 6 80 (6), K = 7 94 and K = 8 96 (5, left free);
 //   f16:  K = 2 72 (7), K = 3-5 79-80 (6), K = 6-7 96 (5, left free), K = 8 96 (5; left free it
 //         spilled 4 bytes);
-//   bf16: K = 2-3 72 (7), K = 4-5 80 (6), K = 6-8 96 (5, left free).
+//   bf16: K = 2-3 72 (7), K = 4-5 80 (6), K = 6-7 96 (5, left free), K = 8 96 (5; left free, with
+//         the outputs at padding zeroed on the narrowed words, it took 112-121 registers).
 // One block fewer than with one segment a turn for f16 K = 3 (7 blocks spilled 16 bytes) and f32
 // K = 7 (6 blocks spilled 16 bytes). Where 5 blocks is all that fits, ptxas left free took 96
 // registers or fewer without spilling and a loop 1-6% shorter than at a bound of 5.
@@ -211,7 +213,7 @@ constexpr int channel_first_forward_min_blocks() {
   if constexpr (kMasked) {
     if constexpr (sizeof(T) == 4) return K <= 3 ? 8 : (K <= 5 ? 7 : (K == 6 ? 6 : 0));
     if constexpr (std::is_same_v<T, __half>) return K == 2 ? 7 : (K <= 5 ? 6 : (K == 8 ? 5 : 0));
-    return K <= 3 ? 7 : (K <= 5 ? 6 : 0);
+    return K <= 3 ? 7 : (K <= 5 ? 6 : (K == 8 ? 5 : 0));
   }
   if constexpr (sizeof(T) == 2) {
     return K == 2 ? 10 : (K <= 6 ? 9 : 0);
@@ -236,7 +238,8 @@ constexpr int channel_first_forward_min_blocks() {
 //   bf16: K = 2 122 / 176 -> 104 / 156, K = 3 133 / 196 -> 114 / 176, K = 4 144 / 216 -> 124 / 195,
 //         K = 5 155 / 235 -> 134 / 213, K = 6 166 / 266 -> 141 / 238, K = 7 175 / 278 -> 151 / 257,
 //         K = 8 185 / 297 -> 162 / 279
-// (the loop scripts/sass_census.py finds, counted along its uniform and its masked branches). On
+// (the loop scripts/sass_census.py finds, counted along its uniform and its masked branches;
+// zero_padding then took 7-8 more off each masked 16-bit segment: bf16 K = 4 195 -> 187). On
 // the H200 the packed BDL forward's kernel at bf16 K = 4 (bench.py's features case) went 93.2 ->
 // 86.1 us at 6 blocks against 7 blocks of one segment a turn (eighteenth session).
 template <typename T, int K, bool kMasked>
@@ -258,6 +261,22 @@ constexpr int channel_first_forward_turn() {
 template <typename T, int K, bool kMasked>
 constexpr bool channel_first_forward_final_state() {
   return kMasked && ((K != 3 && K != 5) || std::is_same_v<T, __nv_bfloat16>);
+}
+
+// What the masked channel-first forward keeps through an item's channels (ItemKept): the rows
+// where that fits the registers of channel_first_forward_min_blocks without spilling, else the
+// channel count. Keeping the rows, f32 K = 3-6, f16 K = 5 and bf16 K = 3 and 5 spilled 16-28
+// bytes, and f16 K = 6-7 and bf16 K = 6-8 took 106-114 registers (from 96, a block per SM fewer);
+// the others kept their registers (f16 K = 3 and f32 K = 7 one or two more, their blocks the
+// same). At bf16 K = 4 the item's channel loop outside its segment loop went from 1169 static
+// instructions (the channel count computed again) to 1085, its division chains gone.
+template <typename T, int K>
+constexpr ItemKept channel_first_forward_kept() {
+  if constexpr (sizeof(T) == 4) return K == 2 || K >= 7 ? ItemKept::kRows : ItemKept::kChannels;
+  if constexpr (std::is_same_v<T, __half>) {
+    return K <= 4 || K == 8 ? ItemKept::kRows : ItemKept::kChannels;
+  }
+  return K == 2 || K == 4 ? ItemKept::kRows : ItemKept::kChannels;
 }
 
 // (B, D, L), L a multiple of the pack V: a warp streams chunk_len times of one (b, d) row, lane l
@@ -328,18 +347,25 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
       float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}, t0 = s + lane V
       carry.advance(own, lane, xs);
       float out[V];
+      // With seq_idx, out narrowed, its padding zeroed: a raw word (a Vec of 16-bit values took
+      // PRMTs to cross the branches).
+      RawFor<T, V> ys;
       // The final state before the outputs, whose registers are not live yet.
       T* const state_row = static_cast<T*>(p.final_state) + item.row * P;
       if (!masked) {
         if (ends_row) store_final_state<false, K, V>(state_row, xs, nullptr);
         channel_first_outputs<false>(w, bias[0], xs, nullptr, silu, out);
+        if constexpr (kMasked) ys = to_raw(narrow<T, V>(out));
       } else {
         int32_t segments[P + V];
         load_segment_window_before<V, P, kWhole>(segment_row, s + lane * V, p.length, segments);
         if (ends_row) store_final_state<true, K, V>(state_row, xs, segments);
-        channel_first_outputs<true>(w, bias[0], xs, segments, silu, out);
+        channel_first_outputs<true, false>(w, bias[0], xs, segments, silu, out);
+        ys = zero_padding<T, V>(to_raw(narrow<T, V>(out)), segments + P);
       }
-      if (kWhole || s < lane_end) store_vec(y + lane_at + s, narrow<T, V>(out));
+      if (kWhole || s < lane_end) {
+        store_vec(y + lane_at + s, kMasked ? from_raw<T, V>(ys) : narrow<T, V>(out));
+      }
     };
     int64_t s = item.c0;
     const int64_t steady_end = kFinalState ? item.c1 - 1 : item.c1;  // last segment: the tail's
@@ -358,7 +384,8 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
     }
   };
   const auto run_items = [&](auto silu) {
-    for_each_channel_first_item<V, P, kMasked>(
+    for_each_channel_first_item<V, P, kMasked, kMasked ? channel_first_forward_kept<T, K>()
+                                                       : ItemKept::kNothing>(
         p, split, 0,
         [&](const ChannelFirstItem& item, UniformSegments masks) { run(item, masks, silu); });
   };
