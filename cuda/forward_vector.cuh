@@ -30,15 +30,6 @@ constexpr int forward_channel_last_min_blocks() {
   return K == 4 ? 7 : (K == 7 && sizeof(T) == 4 ? 8 : 0);
 }
 
-// Whether the channel-last forward writes the final state itself, from the thread whose piece
-// ends the row (the launch then needs no final-state kernel, whose launch and grid of 64-bit
-// divisions the packed call paid): with seq_idx, but for bf16 K = 7, where that code took 96 -> 114
-// registers (5 -> 4 blocks per SM); the other masked kernels took -4 to +4 within their blocks.
-template <typename T, int K, bool kMasked>
-constexpr bool channel_last_forward_final_state() {
-  return kMasked && !(std::is_same_v<T, __nv_bfloat16> && K == 7);
-}
-
 // (B, L, D), D a multiple of C: a thread owns C channels over time_chunk steps and slides a
 // K-row register window down them; its next rows arrive through a RowRing. The step loop is
 // unrolled K times, so that the window shifts are register renaming. With seq_idx, the steps whose
@@ -90,11 +81,12 @@ __global__ void __launch_bounds__(kForwardThreads, forward_channel_last_min_bloc
         ring_commit();
         advance(x_next);
       };
-      for (int step = 0; step < kForwardDepth; ++step) fetch(step);
-      if constexpr (channel_last_forward_final_state<T, K, kMasked>()) {
-        // The piece that ends the row writes its final state while its ring fills. After the
-        // step loops (from the window, or loaded again) it kept b, d0 and t0 live across them: 8
-        // registers more in every masked kernel (bf16 K = 4 72 -> 80, a block per SM fewer).
+      if constexpr (kMasked) {
+        // The piece that ends the row writes its final state (the launch then needs no
+        // final-state kernel, whose launch and grid of 64-bit divisions the packed call paid).
+        // Here, before the ring's first fetches, it costs no masked kernel a block per SM; after
+        // them bf16 K = 7 took 96 -> 114 registers (5 -> 4 blocks), and after the step loops
+        // (from the window, or loaded again) every masked kernel took 8 more (bf16 K = 4 72 -> 80).
         if (p.final_state != nullptr && t0 + steps == p.length) {
           for (int j = 0; j < P; ++j) {
             float row[C];  // x_{L-P+j}, as Conv::input
@@ -106,6 +98,7 @@ __global__ void __launch_bounds__(kForwardThreads, forward_channel_last_min_bloc
           }
         }
       }
+      for (int step = 0; step < kForwardDepth; ++step) fetch(step);
       float w[K][C], bias[C];
       load_weights(conv, b, d0, w, bias);
       // Up, window[k] holds x_{t-P+k} at the output of time t; down, x_{t-k}: tap k reads

@@ -201,7 +201,7 @@ def final_state_rows(length: int, width: int) -> np.ndarray:
 
 
 # With seq_idx the channel-last forward writes the final state from the thread whose piece ends the
-# row (no final-state kernel; but bf16 K = 7). Up to 9 rows of D = 64 take 8-step pieces on the GPU:
+# row (no final-state kernel). Up to 9 rows of D = 64 take 8-step pieces on the GPU:
 # L = 11 and 70 end in a piece of 3 and 6 steps (shorter than the state from K = 5 and 8 on), and
 # L = 1, 2, 5 are shorter than the state itself from K = 3, 4, 7 on.
 @pytest.mark.parametrize("width", range(2, 9))
