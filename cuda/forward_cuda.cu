@@ -67,7 +67,8 @@ inline int64_t forward_time_chunk(int64_t columns, int64_t length, int64_t resid
   return chunk;
 }
 
-// Returns whether the kernel wrote the final state (channel_first_forward_final_state).
+// Returns whether the kernel wrote the final state (with seq_idx the channel-last kernel does, and
+// the channel-first ones of channel_first_forward_final_state).
 template <typename T, int K, bool kMasked>
 bool launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
   if (p.channel_last) {
@@ -84,7 +85,7 @@ bool launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
     // time 0.
     const bool alternate = (p.channels / C) % kLanes == 0 && time_chunk >= K - 1;
     kernel<<<blocks, kForwardThreads, 0, stream>>>(p, time_chunk, alternate);
-    return false;
+    return kMasked;
   }
   if (const int group = short_row_group(p.length, kPack<T>); group > 0) {
     constexpr auto kernel = forward_short_rows_kernel<T, K>;

@@ -81,6 +81,23 @@ __global__ void __launch_bounds__(kForwardThreads, forward_channel_last_min_bloc
         ring_commit();
         advance(x_next);
       };
+      if constexpr (kMasked) {
+        // The piece that ends the row writes its final state (the launch then needs no
+        // final-state kernel, whose launch and grid of 64-bit divisions the packed call paid).
+        // Here, before the ring's first fetches, it costs no masked kernel a block per SM; after
+        // them bf16 K = 7 took 96 -> 114 registers (5 -> 4 blocks), and after the step loops
+        // (from the window, or loaded again) every masked kernel took 8 more (bf16 K = 4 72 -> 80).
+        if (p.final_state != nullptr && t0 + steps == p.length) {
+          for (int j = 0; j < P; ++j) {
+            float row[C];  // x_{L-P+j}, as Conv::input
+            load_row(conv, b, p.length - P + j, d0, row);
+            const bool kept = conv.final_state_kept(b, j);
+            for (int c = 0; c < C; ++c) {
+              conv.store_state_like(p.final_state, b, j, d0 + c, kept ? row[c] : 0.0f);
+            }
+          }
+        }
+      }
       for (int step = 0; step < kForwardDepth; ++step) fetch(step);
       float w[K][C], bias[C];
       load_weights(conv, b, d0, w, bias);

@@ -186,6 +186,38 @@ def test_downward_pieces(dev, dtype, width, state):
     compare(dev, rng, args, None, dtype, activation="silu", layout="BLD", final="random")
 
 
+def final_state_rows(length: int, width: int) -> np.ndarray:
+    """Rows of seq_idx for the final state: one segment (F keeps every entry, the initial state's
+    where L < K - 1), a last segment of o = 1 .. K - 1 steps (F keeps its last o entries; one
+    segment where o >= L), and a row ending in padding (F is zero)."""
+    rows = [np.zeros(length, np.int32)]
+    for o in range(1, width):
+        row = np.zeros(length, np.int32)
+        row[max(length - o, 0):] = 1
+        rows.append(row)
+    padded = np.zeros(length, np.int32)
+    padded[-1] = -1
+    return np.stack(rows + [padded])
+
+
+# With seq_idx the channel-last forward writes the final state from the thread whose piece ends the
+# row (no final-state kernel). Up to 9 rows of D = 64 take 8-step pieces on the GPU:
+# L = 11 and 70 end in a piece of 3 and 6 steps (shorter than the state from K = 5 and 8 on), and
+# L = 1, 2, 5 are shorter than the state itself from K = 3, 4, 7 on.
+@pytest.mark.parametrize("width", range(2, 9))
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dev", DEVICES)
+def test_channel_last_final_state_seq_idx(dev, dtype, width):
+    rng = np.random.default_rng(width)
+    for i, length in enumerate([1, 2, 5, 11, 70]):
+        seq = final_state_rows(length, width)
+        made = make_inputs(rng, batch=len(seq), length=length, channels=64, width=width,
+                           dtype=dtype, layout="BLD", initial_state=i % 2 == 0)
+        made["seq_idx"] = jnp.asarray(seq)
+        run_and_compare(made, dev, dtype=dtype, activation="silu", return_final_state=True,
+                        layout="BLD", what=f"K{width} L{length}")
+
+
 # The same blocks under weight groups (vmapped parameters over one x: 3 groups of 2 batch rows),
 # whose dw/db the reduction sums over each group's rows and slices.
 @pytest.mark.parametrize("dev", GPU)
