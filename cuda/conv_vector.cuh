@@ -196,7 +196,7 @@ struct SegmentSteps {
         pending &= pending - 1;
         step = next + 1;
       }
-      chunk = chunk_end;
+      chunk = kSpans ? chunk_end : chunk + kSegmentChunk;  // (without spans, the same)
     }
   }
 
@@ -262,14 +262,13 @@ struct SegmentSteps {
     return lane <= pack() && pack() - lane + kLanes <= packs();
   }
 
-  // masked_steps' bits of the kSpanChunks chunks from begin (a multiple of kSegmentChunk after
-  // step P - 1), chunk m's in lane m (0 in the other lanes), for the steps before end. A step
-  // needs the tap tests where its window holds a change: an id that differs from the one before
-  // it, or padding (a window of one id >= 0 holds none). Every lane of a whole warp (whole_warp)
-  // must call it. Lane l reads the ids of steps begin - P + m * kLanes + l (m < kReads), all in
-  // flight together, and a ballot per m gives the changes; step begin + i of chunk m looks at
-  // those of the P steps up to it, bits i + 1 .. i + P from 32 m on. Steps from live on have
-  // id -1; begin >= P, so that no step read is before time 0.
+  // masked_steps' bits of the kSpanChunks chunks from step begin >= P (so that no id read is
+  // before time 0), chunk m's in lane m and none in the others; those of steps from end on mean
+  // nothing. Every lane of a whole warp (whole_warp) must call it. A step needs the tap tests
+  // where its window holds a change, an id that differs from the one before it or padding (a
+  // window of one id >= 0 holds none, from live on the ids are -1). Lane l reads the ids of
+  // steps begin - P + m * kLanes + l, all in flight together, a ballot per m gives their
+  // changes, and step begin + m * kLanes + i looks at those of bits i + 1 .. i + P from m on.
   __device__ __forceinline__ uint32_t span_steps(int begin, int end) const {
     const int lane = static_cast<int>(threadIdx.x % kLanes);
     const int32_t* const ids = this->ids();
