@@ -239,24 +239,26 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
         // Spans (see SegmentSteps::run) cost 16-bit K = 2 (8 channels a thread, at the cap)
         // 4 bytes of spills with their loads in flight.
         constexpr bool kSpans = !(sizeof(T) == 2 && K == 2);
-        // Kernels without a register cap (16-bit K >= 5) take a step of [P, owned) whose window
-        // crosses a segment boundary (every such step is interior but for its taps) with an
-        // interior copy that has tap tests: the checked copy's branches around the edge tests
-        // and each element's activation made bf16 K = 8 such a step about 1200 SASS
-        // instructions (static), the copy with tap tests about 320, an unrolled interior step
-        // 171.
+        // Kernels without a register cap (16-bit K >= 5) choose the activation once for these
+        // steps too, and take a step of [P, owned) whose window crosses a segment boundary
+        // (every such step is interior but for its taps) with an interior copy that has tap
+        // tests: the checked copy's branches around the edge tests and each element's activation
+        // made bf16 K = 8 such a step about 1200 SASS instructions (static), the copy with tap
+        // tests about 320, an unrolled interior step 171.
         constexpr bool kTappedInterior = backward_min_blocks<T, K>() == 1;
         segments.template run<kSpans>(
             0, owned + P, P, owned, uniform, [&](int step, bool needs_seq_idx) {
-              if (kTappedInterior && needs_seq_idx && step >= P && step < owned) {
-                if constexpr (kTappedInterior) {
-                  with_bool_constant(p.silu, [&](auto silu) {
-                    step_at(step, std::true_type{}, segments.taps(step), silu);
-                  });
-                }
+              const uint32_t taps = needs_seq_idx ? segments.taps(step) : Segments::kAllTaps;
+              if constexpr (kTappedInterior) {
+                with_bool_constant(p.silu, [&](auto silu) {
+                  if (needs_seq_idx && step >= P && step < owned) {
+                    step_at(step, std::true_type{}, taps, silu);
+                  } else {
+                    step_at(step, std::false_type{}, taps, silu);
+                  }
+                });
               } else {
-                step_at(step, std::false_type{},
-                        needs_seq_idx ? segments.taps(step) : Segments::kAllTaps, p.silu);
+                step_at(step, std::false_type{}, taps, p.silu);
               }
             });
       } else {
