@@ -220,9 +220,9 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
         });
       };
       if constexpr (kMasked) {
-        // The steps that need tap tests are few: one checked copy serves them and the edges (a
-        // second one, or an interior copy with tap tests, cost registers that the cap lacks), and
-        // it reads the activation's flag. 16-bit K = 2 (8 channels a thread, at the cap of 128
+        // The steps that need tap tests are few: one checked copy serves them and the edges (in
+        // the kernels with a register cap: a second one, or an interior copy with tap tests, cost
+        // registers that the cap lacks), and it reads the activation's flag. 16-bit K = 2 (8 channels a thread, at the cap of 128
         // registers) reads it on its interior steps too: with the activation chosen there ptxas
         // spilled 20-32 bytes around the step loops (8-16 with this run_steps call written as
         // interior(begin, end, p.silu)).
@@ -239,10 +239,27 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
         // Spans (see SegmentSteps::run) cost 16-bit K = 2 (8 channels a thread, at the cap)
         // 4 bytes of spills with their loads in flight.
         constexpr bool kSpans = !(sizeof(T) == 2 && K == 2);
+        // Kernels without a register cap (16-bit K >= 5) choose the activation once for these
+        // steps too, and take a step of [P, owned) whose window crosses a segment boundary
+        // (every such step is interior but for its taps) with an interior copy that has tap
+        // tests: the checked copy's branches around the edge tests and each element's activation
+        // made bf16 K = 8 such a step about 1200 SASS instructions (static), the copy with tap
+        // tests about 320, an unrolled interior step 171.
+        constexpr bool kTappedInterior = backward_min_blocks<T, K>() == 1;
         segments.template run<kSpans>(
             0, owned + P, P, owned, uniform, [&](int step, bool needs_seq_idx) {
-              step_at(step, std::false_type{},
-                      needs_seq_idx ? segments.taps(step) : Segments::kAllTaps, p.silu);
+              const uint32_t taps = needs_seq_idx ? segments.taps(step) : Segments::kAllTaps;
+              if constexpr (kTappedInterior) {
+                with_bool_constant(p.silu, [&](auto silu) {
+                  if (needs_seq_idx && step >= P && step < owned) {
+                    step_at(step, std::true_type{}, taps, silu);
+                  } else {
+                    step_at(step, std::false_type{}, taps, silu);
+                  }
+                });
+              } else {
+                step_at(step, std::false_type{}, taps, p.silu);
+              }
             });
       } else {
         with_bool_constant(p.silu, [&](auto silu) {

@@ -123,8 +123,11 @@ constexpr int kSegmentChunk = 32;  // steps a 32-bit mask covers, one a lane
 // chunk by chunk (SegmentSteps::run). In the masked bf16 K = 4 channel-last backward (interior
 // steps 124.5 SASS instructions each) a chunk's check took 89 instructions with two id loads
 // one after the other, a vote, and the step loop's exit and entry, every 32 steps; a span's
-// check takes 88 with its 6 loads in flight together, for 128 steps.
-constexpr int kSegmentSpan = 4 * kSegmentChunk;
+// check takes its loads in flight together, for 128 steps, and leaves each chunk's bits with a
+// lane, so that the chunks of a span turned down (at a segment boundary) need no loads of
+// their own.
+constexpr int kSpanChunks = 4;
+constexpr int kSegmentSpan = kSpanChunks * kSegmentChunk;
 
 // The seq_idx side of a channel-last thread whose step j has time t0 + j of batch row b, for
 // steps j >= -P (the P before step 0 fill its first window), channels d0 .. d0 + C - 1. It refers
@@ -154,20 +157,33 @@ struct SegmentSteps {
                                       Other&& other) const {
     // Spans start at the first chunk from open on, then every kSegmentSpan steps: the stretch of
     // a span inside [open, close) whose windows all lie inside one segment is one call of
-    // uniform. The chunks before, those of a span turned down and those from close on go one by
-    // one. (Chunks cut at open, so that the spans start there, spilled 4 bytes of the float
-    // K = 2 backward.)
-    const int first_span = begin + (std::max(open - begin, 0) + kSegmentChunk - 1) /
+    // uniform. The chunks before, and those from close on where close cut a span short, go one
+    // by one; so do the chunks of a span turned down, with the bits span_steps left them. (Chunks
+    // cut at open, so that the spans start there, spilled 4 bytes of the float K = 2 backward.)
+    // From P on: span_steps reads no id before time 0.
+    const int first_span = begin + (std::max(open - begin, int{P}) + kSegmentChunk - 1) /
                                        kSegmentChunk * kSegmentChunk;
+    const bool whole = kSpans && whole_warp();
+    // span_steps of the last span's start where the chunk is spanned (below), else the chunk's
+    // masked_steps: one register across the step loops.
+    uint32_t bits = 0;
 #pragma unroll 1
     for (int chunk = begin; chunk < end;) {
+      // Whether the bits of the span's start hold this chunk's (in lane `index`).
+      const bool spanned =
+          whole && chunk >= first_span && (chunk - first_span) % kSegmentChunk == 0;
+      const int index = (chunk - first_span) / kSegmentChunk % kSpanChunks;
+      if (spanned && index == 0) bits = span_steps(chunk, end);
       const int span_end = std::min(chunk + kSegmentSpan, close);
-      const bool span = kSpans && chunk >= first_span && span_end > chunk &&
-                        (chunk - first_span) % kSegmentSpan == 0 && uniform_span(chunk, span_end);
+      const int lane = static_cast<int>(threadIdx.x % kLanes);
+      const bool span =
+          spanned && index == 0 && span_end > chunk &&
+          __all_sync(kFullWarp, (bits & low_bits(span_end - chunk - lane * kLanes)) == 0);
       const int chunk_end = span ? span_end : std::min(chunk + kSegmentChunk, end);
-      const uint32_t needs = span ? 0 : masked_steps(chunk, chunk_end);
-      // Bit i: step chunk + i goes to other().
-      uint32_t pending = span ? 0 : needs | low_bits(open - chunk) | ~low_bits(close - chunk);
+      if (!spanned) bits = masked_steps(chunk, chunk_end);
+      const auto needs = [&] { return spanned ? __shfl_sync(kFullWarp, bits, index) : bits; };
+      // Bit i: step chunk + i goes to other(). (A span's steps need none, and close cuts it.)
+      uint32_t pending = needs() | low_bits(open - chunk) | ~low_bits(close - chunk);
       int step = chunk;
 #pragma unroll 1
       while (true) {
@@ -176,11 +192,11 @@ struct SegmentSteps {
                          : std::min(chunk + __ffs(static_cast<int>(pending)) - 1, chunk_end);
         uniform(step, next);
         if (next == chunk_end) break;
-        other(next, (needs >> (next - chunk)) & 1);
+        other(next, (needs() >> (next - chunk)) & 1);
         pending &= pending - 1;
         step = next + 1;
       }
-      chunk = span ? span_end : chunk + kSegmentChunk;  // (kSpans false: the loop as before)
+      chunk = kSpans ? chunk_end : chunk + kSegmentChunk;  // (without spans, the same)
     }
   }
 
@@ -239,30 +255,47 @@ struct SegmentSteps {
     return bits;
   }
 
-  // Whether the windows of steps [begin, end) (end - begin <= kSegmentSpan) all lie inside one
-  // segment, the ids of steps begin - P .. end - 1 one id >= 0. Only a warp whose 32 lanes
-  // stream this piece (see masked_steps) looks; the lanes of a smaller group find false. The
-  // steps are before end <= live: no id() bound, and from begin + 32 - P > 0 on (begin >= 0) no
-  // clamp either. The loads are in flight together: with id() and &&, ptxas waited for the
-  // first id, then the lane's, then the rest; with the first id standing in for the ids not
-  // read, for the first id, then the rest.
-  __device__ __forceinline__ bool uniform_span(int begin, int end) const {
+  // Whether this thread's warp streams one piece with all 32 lanes (see masked_steps): only
+  // such a warp checks spans.
+  __device__ __forceinline__ bool whole_warp() const {
     const int lane = static_cast<int>(threadIdx.x % kLanes);
-    if (lane > pack() || pack() - lane + kLanes > packs()) return false;
+    return lane <= pack() && pack() - lane + kLanes <= packs();
+  }
+
+  // masked_steps' bits of the kSpanChunks chunks from step begin >= P (so that no id read is
+  // before time 0), chunk m's in lane m and none in the others; those of steps from end on mean
+  // nothing. Every lane of a whole warp (whole_warp) must call it. A step needs the tap tests
+  // where its window holds a change, an id that differs from the one before it or padding (a
+  // window of one id >= 0 holds none, from live on the ids are -1). Lane l reads the ids of
+  // steps begin - P + m * kLanes + l, all in flight together, a ballot per m gives their
+  // changes, and step begin + m * kLanes + i looks at those of bits i + 1 .. i + P from m on.
+  __device__ __forceinline__ uint32_t span_steps(int begin, int end) const {
+    const int lane = static_cast<int>(threadIdx.x % kLanes);
     const int32_t* const ids = this->ids();
-    const int n = end - begin + P;  // the ids to compare
-    const int32_t first_id = ids[std::max(begin - P, first_step())];
-    const int32_t* const row = ids + (begin - P + lane);
-    // at[m]: id m * kLanes + lane of the n (step begin - P + m * kLanes + lane), where it is one.
+    const int with_id = std::min(end, live) - (begin - P);  // the steps with an id, from begin - P
     constexpr int kReads = (kSegmentSpan + P + kLanes - 1) / kLanes;
+    static_assert(kReads > kSpanChunks, "a chunk's windows end in the next read's ids");
+    const int32_t* const row = ids + (begin - P + lane);
     int32_t at[kReads];
-    at[0] = lane < n ? ids[std::max(begin - P + lane, first_step())] : 0;
 #pragma unroll
-    for (int m = 1; m < kReads; ++m) at[m] = m * kLanes + lane < n ? row[m * kLanes] : 0;
-    bool same = first_id >= 0;
+    for (int m = 0; m < kReads; ++m) at[m] = m * kLanes + lane < with_id ? row[m * kLanes] : -1;
+    uint32_t changes[kReads];  // bit l of m: step begin - P + m * kLanes + l's id changes
 #pragma unroll
-    for (int m = 0; m < kReads; ++m) same &= m * kLanes + lane >= n || at[m] == first_id;
-    return __all_sync(kFullWarp, same);
+    for (int m = 0; m < kReads; ++m) {
+      // Lane l takes lane l - 1's id; lane 0, lane 31's of the read before (for m = 0 unused:
+      // no window starts before begin - P).
+      const int32_t sent = lane == kLanes - 1 && m > 0 ? at[m - 1] : at[m];
+      const int32_t before = __shfl_sync(kFullWarp, sent, (lane + kLanes - 1) % kLanes);
+      changes[m] = __ballot_sync(kFullWarp, at[m] != before || at[m] < 0);
+    }
+    uint32_t bits = 0;
+#pragma unroll
+    for (int m = 0; m < kSpanChunks; ++m) {
+      uint32_t chunk = 0;
+      for (int s = 1; s <= P; ++s) chunk |= __funnelshift_r(changes[m], changes[m + 1], s);
+      bits = lane == m ? chunk : bits;
+    }
+    return bits;
   }
 
   // seg() of step j's time, ids = ids(): as Conv::segment has it, times before 0 (the initial

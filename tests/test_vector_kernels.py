@@ -133,8 +133,10 @@ def test_segment_boundaries(dev, width, channels, state):
 # Forward pieces of 64 steps and backward tiles longer than 64 (256 to 512 steps: the columns
 # cut into the pieces a row that make the launch's 32768 threads), with random segments of 1 to
 # 300 steps and padding runs, so that boundaries fall at every offset within pieces, tiles and
-# checks: the backward's 128-step spans (ids begin - P .. begin + 127, 5 reads a lane) among them.
-@pytest.mark.parametrize("width", [2, 4, 8])
+# checks: the backward's 128-step spans (ids begin - P .. begin + 127, 5 reads a lane) among them,
+# those turned down (their chunks take the span's bits) and those cut by a tile's end; bf16 K = 6
+# and 8 take a boundary's steps with the interior copy that has tap tests.
+@pytest.mark.parametrize("width", [2, 4, 6, 8])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("dev", GPU)
 def test_segment_boundaries_long_rows(dev, dtype, width):
