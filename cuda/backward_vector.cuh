@@ -222,10 +222,10 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
       if constexpr (kMasked) {
         // The steps that need tap tests are few: one checked copy serves them and the edges (in
         // the kernels with a register cap: a second one, or an interior copy with tap tests, cost
-        // registers that the cap lacks), and it reads the activation's flag. 16-bit K = 2 (8 channels a thread, at the cap of 128
-        // registers) reads it on its interior steps too: with the activation chosen there ptxas
-        // spilled 20-32 bytes around the step loops (8-16 with this run_steps call written as
-        // interior(begin, end, p.silu)).
+        // registers that the cap lacks), and it reads the activation's flag. 16-bit K = 2 (8
+        // channels a thread, at the cap of 128 registers) reads it on its interior steps too:
+        // with the activation chosen there ptxas spilled 20-32 bytes around the step loops (8-16
+        // with this run_steps call written as interior(begin, end, p.silu)).
         const auto uniform = [&](int begin, int end) {
           if constexpr (sizeof(T) == 2 && K == 2) {
             return run_steps<K>(begin, end, [&](int step) {
