@@ -616,8 +616,8 @@ __device__ __forceinline__ void load_segment_window_after(const int32_t* row, in
 // Segments of 32 V times s_j = s + j 32 V of a row, j < count, that are uniform: every time u of
 // a window around s_j that is before the row's end has one and the same seq_idx entry >= 0 (u < 0:
 // the row's first entry, as in load_segment_window_before). Then every mask of the outputs that
-// read only the window's times holds (none is padding, every tap is used), and the unmasked arithmetic
-// gives their bits; times past the row are no output's and no tap's.
+// read only the window's times holds (none is padding, every tap is used), and the unmasked
+// arithmetic gives their bits; times past the row are no output's and no tap's.
 struct UniformSegments {
   uint32_t before;  // bit j: over [s_j - P, s_j + 32 V), the taps of segment j's outputs
   uint32_t after;   // bit j: over [s_j, s_j + 32 V + P), the outputs whose taps are its times

@@ -270,11 +270,10 @@ constexpr int channel_first_forward_turn() {
 // launch then needs no final-state kernel): with seq_idx, but for f16 and f32 K = 3 and 5, where
 // that code cost a block per SM (with the range-tested seq_idx window of then: f16 72 -> 77 and
 // 80 -> 92 registers, f32 64 -> 67 and 72 -> 74; the others took 0-4 registers more within their
-// blocks). In the
-// unmasked kernels (with their last turn's segments in the tail) it spilled 12-180 bytes at bf16
-// K = 2, 16-bit K = 5-6 and f32 K = 5, or took up to 16 registers more. On the H200 the packed
-// channel-first forward (bf16 B=8 L=2048 D=4096 K=4) went 107.2 -> 101.5 us with this and
-// load_segment_window_before (benchmarks/RESULTS.md, fourteenth session).
+// blocks). In the unmasked kernels (with their last turn's segments in the tail) it spilled
+// 12-180 bytes at bf16 K = 2, 16-bit K = 5-6 and f32 K = 5, or took up to 16 registers more. On
+// the H200 the packed channel-first forward (bf16 B=8 L=2048 D=4096 K=4) went 107.2 -> 101.5 us
+// with this and load_segment_window_before (benchmarks/RESULTS.md, fourteenth session).
 template <typename T, int K, bool kMasked>
 constexpr bool channel_first_forward_final_state() {
   return kMasked && ((K != 3 && K != 5) || std::is_same_v<T, __nv_bfloat16>);
