@@ -616,14 +616,15 @@ __device__ __forceinline__ void load_segment_window_after(const int32_t* row, in
   for (int j = 0; j < V + A; ++j) out[j] = all[j];
 }
 
-// Segments of 32 V times s_j = s + j 32 V of a row, j < count, that are uniform: every time u of
-// a window around s_j that is before the row's end has one and the same seq_idx entry >= 0 (u < 0:
-// the row's first entry, as in load_segment_window_before). Then every mask of the outputs that
-// read only the window's times holds (none is padding, every tap is used), and the unmasked
-// arithmetic gives their bits; times past the row are no output's and no tap's.
+// Segments of W V times s_j = s + j W V of a row (W packs: 32, or uniform_segments' kWidth), j <
+// count, that are uniform: every time u of a window around s_j that is before the row's end has one
+// and the same seq_idx entry >= 0 (u < 0: the row's first entry, as in load_segment_window_before).
+// Then every mask of the outputs that read only the window's times holds (none is padding, every
+// tap is used), and the unmasked arithmetic gives their bits; times past the row are no output's
+// and no tap's.
 struct UniformSegments {
-  uint32_t before;  // bit j: over [s_j - P, s_j + 32 V), the taps of segment j's outputs
-  uint32_t after;   // bit j: over [s_j, s_j + 32 V + P), the outputs whose taps are its times
+  uint32_t before;  // bit j: over [s_j - P, s_j + W V), the taps of segment j's outputs
+  uint32_t after;   // bit j: over [s_j, s_j + W V + P), the outputs whose taps are its times
 };
 
 // Whether a lane's pack of seq_idx entries is one id >= 0 throughout (the callers also compare it
@@ -916,14 +917,14 @@ constexpr int64_t kItemOverheadSegments = 2;
 // Cuts past this many waves of items only add overheads.
 constexpr int64_t kMaxItemWaves = 16;
 
-// Times per warp item for channel-first kernels, a multiple of segment (32 V times). Rows (each
-// row_items warp items) are cut into the number of pieces, of at most max_segments segments each,
-// whose waves of resident_warps x (piece segments + kItemOverheadSegments) cost least; whole rows
-// where the runtime cannot say how many warps fit (resident_warps 0). For each count of waves the
-// cheapest cut is the one with the most pieces that still fit in it, so only those are compared.
-// Aiming at a fixed 32768 (forward) and 16384 (backward) items cut B=8 L=2048 D=256's rows into
-// one-segment pieces: 11.6 and 30.7 us against 6.3 and 13.1 for this choice's 2 pieces and whole
-// rows.
+// Times per warp item for channel-first kernels, a multiple of segment (32 V times, or the kernel's
+// width of packs). Rows (each row_items warp items) are cut into the number of pieces, of at most
+// max_segments segments each, whose waves of resident_warps x (piece segments +
+// kItemOverheadSegments) cost least; whole rows where the runtime cannot say how many warps fit
+// (resident_warps 0). For each count of waves the cheapest cut is the one with the most pieces that
+// still fit in it, so only those are compared. Aiming at a fixed 32768 (forward) and 16384
+// (backward) items cut B=8 L=2048 D=256's rows into one-segment pieces: 11.6 and 30.7 us against
+// 6.3 and 13.1 for this choice's 2 pieces and whole rows.
 inline int64_t channel_first_chunk(int64_t row_items, int64_t length, int64_t segment,
                                    int64_t resident_warps, int64_t max_segments) {
   const int64_t segments = (length + segment - 1) / segment;
