@@ -463,7 +463,10 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
     const int64_t lane_end = loaded_end - lane * V;
     float w[K][1], bias[1];
     load_param_row<T>(p, item.param_row, w, bias);
+    // Held opaque: with a channel a half-warp, NVVM recomputed item.b * length for each masked
+    // segment's entries (5 instructions each of its delta and dx at bf16 K = 4).
     const int32_t* segment_row = kMasked ? p.seq_idx + item.b * p.length : nullptr;
+    asm("" : "+l"(segment_row));
     ChannelFirstCarry<K> carry;
     carry.load(static_cast<const T*>(p.x) + item.row * p.length,
                p.initial_state == nullptr
