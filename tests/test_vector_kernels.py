@@ -290,12 +290,13 @@ def test_channel_first_seq_idx(dev, dtype, width, state):
     check_cf_seq_idx(dev, dtype, width, state, channels=3)
 
 
-def check_cf_seq_idx(dev, dtype, width, state, channels):
-    """cf_seq_idx's rows, 6 segments and 2 packs long, against the reference."""
+def check_cf_seq_idx(dev, dtype, width, state, channels, boundaries=None):
+    """cf_seq_idx's rows, 6 segments and 2 packs long, against the reference; with boundaries, the
+    rows' boundaries around segments of that many times instead."""
     rng = np.random.default_rng(width)
     segment = segment_len(dtype)
     length = 6 * segment + 2 * 16 // jnp.dtype(dtype).itemsize  # a last segment of two packs
-    seq = cf_seq_idx(length, segment, width)
+    seq = cf_seq_idx(length, boundaries or segment, width)
     args, seq_idx = inputs(rng, dtype, batch=len(seq), length=length, channels=channels,
                            width=width, layout="BDL", state=state, seq_idx=seq)
     grads, _ = compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL",
@@ -347,6 +348,20 @@ def test_channel_first_seq_idx_turns(dev, dtype, width):
 @pytest.mark.parametrize("dev", GPU)
 def test_channel_first_seq_idx_items(dev, dtype, width):
     check_cf_seq_idx(dev, dtype, width, True, channels=1024)
+
+
+# The masked backward takes two channels a warp, a half-warp each, over segments of 16 packs, whose
+# uniform_segments masks come two to a ballot of 32 packs: boundaries around those segments (the
+# odd ones start in the middle of a 32-pack one), in single-segment items (3 channels) and in whole
+# rows (1023: the items of 4 channels, and a last one of 3, whose second pair runs one channel
+# twice).
+@pytest.mark.parametrize("channels", [3, 1023])
+@pytest.mark.parametrize("width", range(2, 9))
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dev", GPU)
+def test_channel_first_seq_idx_half_segments(dev, dtype, width, channels):
+    check_cf_seq_idx(dev, dtype, width, True, channels=channels,
+                     boundaries=segment_len(dtype) // 2)
 
 
 # ---- channel-first short rows: 32 / group rows per warp, group lanes (a power of two) per row ----
