@@ -463,12 +463,15 @@ struct ChannelFirstCarry {
   // segments in order. With P <= V the halo costs one shuffle per value: the P values before a
   // lane's pack are lane l - 1's, lane 0 taking the carry's and replacing them with lane 31's
   // (x then holds the carry in lane 0 only); halo_before and segment_tail (any P) took two
-  // shuffles per value and a select.
-  template <int V>
+  // shuffles per value and a select. kWidth < 32 (P <= V only): segments of kWidth lanes, each
+  // group of kWidth lanes its own row's (lane: the lane's index in its group).
+  template <int V, int kWidth = kLanes>
   __device__ __forceinline__ void advance(const float (&own)[V], int lane, float (&xs)[P + V]) {
+    static_assert(P <= V || kWidth == kLanes, "groups of lanes take one shuffle per value");
     if constexpr (P <= V) {
       for (int j = 0; j < P; ++j) {
-        const float rotated = __shfl_sync(kFullWarp, own[V - P + j], (lane + kLanes - 1) % kLanes);
+        const float rotated =
+            __shfl_sync(kFullWarp, own[V - P + j], (lane + kWidth - 1) % kWidth, kWidth);
         xs[j] = lane == 0 ? x[j] : rotated;
         x[j] = rotated;
       }

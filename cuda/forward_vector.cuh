@@ -295,6 +295,27 @@ constexpr ItemKept channel_first_forward_kept() {
   return K == 2 || K == 4 ? ItemKept::kRows : ItemKept::kChannels;
 }
 
+// Whether the channel-first forward's warps take two rows at once, one in each half of 16 lanes,
+// in segments of 16 V times: with seq_idx, for 16-bit T. A sequence boundary then makes the
+// segments of 16 V times around it masked instead of those of 32 V: at four sequences a row of
+// 2048 (bf16 K = 4) 3.1 of a row's 8 segments of 256 times were masked, at about 1.5 times a
+// uniform segment's instructions; in halves, 3.2 of 16 of 128 times, which the warp takes two
+// rows at a time. uniform_segments then checks packs of V / 2 entries, twice the segments of
+// fewer instructions each, once per item of kUniformChannels rows. f32 (V = 4) would need packs
+// of 2 entries there.
+template <typename T, bool kMasked>
+constexpr bool channel_first_forward_halves() {
+  return kMasked && sizeof(T) == 2;
+}
+
+// The most segments of 32 V times per channel-first forward item: as many as uniform_segments'
+// masks cover (half as many of 32 V times with halves).
+template <typename T, bool kMasked>
+constexpr int64_t channel_first_forward_item_segments() {
+  return channel_first_forward_halves<T, kMasked>() ? kUniformSegments / 2
+                                                    : forward_item_segments<kMasked>();
+}
+
 // (B, D, L), L a multiple of the pack V: a warp streams chunk_len times of one (b, d) row, lane l
 // owning V consecutive times of each 32 V-time segment; the K-1 inputs before a lane's pack come
 // from its lower neighbours by shuffle. The next kForwardAhead segments' packs are in flight.
@@ -311,16 +332,23 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
     forward_channel_first_kernel(ConvParams p, ChannelFirstSplit split) {
   constexpr int V = kPack<T>;
   constexpr int P = K - 1;
-  constexpr int64_t kSegment = kLanes * V;
+  constexpr bool kHalves = channel_first_forward_halves<T, kMasked>();
+  constexpr int kWidth = kHalves ? kLanes / 2 : kLanes;  // lanes a row's segment takes
+  constexpr int64_t kSegment = kWidth * V;
   constexpr int kTurn = channel_first_forward_turn<T, K, kMasked>();
   constexpr bool kFinalState = channel_first_forward_final_state<T, K, kMasked>();
-  const int lane = threadIdx.x % kLanes;
+  const int lane = threadIdx.x % kWidth;
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
-  // The item's channel `item` (times [c0, c1)); bit j of masks.before (then of uniform): whether
+  // The item's channel `pair` (times [c0, c1)), with kHalves in the warp's lower half and channel
+  // pair.d + 1 in its upper half (where that is past the item's channels, the upper half repeats
+  // the lower half's loads and stores nothing); bit j of masks.before (then of uniform): whether
   // the item's segment j is uniform (none past the first kUniformSegments). silu: p.silu, or
   // without seq_idx std::true_type or std::false_type.
-  const auto run = [&](const ChannelFirstItem& item, UniformSegments masks, auto silu) {
+  const auto run = [&](const ChannelFirstItem& pair, UniformSegments masks, auto silu) {
+    const bool upper = kHalves && threadIdx.x % kLanes >= kWidth;
+    const bool live = !upper || pair.d + 1 < p.channels;  // whether the lane stores
+    const ChannelFirstItem item = upper && live ? pair.channel(1) : pair;
     // One element offset serves x and y: the lane's pack at time 0 of the row (their base pointers
     // stay in the constant bank); the lane's pack of segment s is the item's while s < lane_end.
     const int64_t lane_at = item.row * p.length + lane * V;
@@ -350,8 +378,8 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
     // ends the row.
     const auto segment = [&](int64_t s, RawFor<T, V>& slot, auto whole) {
       constexpr bool kWhole = decltype(whole)::value;
-      const bool ends_row =
-          kFinalState && !kWhole && p.final_state != nullptr && s + (lane + 1) * V == p.length;
+      const bool ends_row = kFinalState && !kWhole && live && p.final_state != nullptr &&
+                            s + (lane + 1) * V == p.length;
       const bool masked = kMasked && !(uniform & 1u);
       uniform >>= 1;
       float own[V];
@@ -361,7 +389,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
         slot = __ldg(reinterpret_cast<const RawFor<T, V>*>(x + lane_at + s_ahead));
       }
       float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}, t0 = s + lane V
-      carry.advance(own, lane, xs);
+      carry.template advance<V, kWidth>(own, lane, xs);
       float out[V];
       // With seq_idx, out narrowed, its padding zeroed: a raw word (a Vec of 16-bit values took
       // PRMTs to cross the branches).
@@ -379,7 +407,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
         channel_first_outputs<true, false>(w, bias[0], xs, segments, silu, out);
         ys = zero_padding<T, V>(to_raw(narrow<T, V>(out)), segments + P);
       }
-      if (kWhole || s < lane_end) {
+      if (live && (kWhole || s < lane_end)) {
         store_vec(y + lane_at + s, kMasked ? from_raw<T, V>(ys) : narrow<T, V>(out));
       }
     };
@@ -399,11 +427,15 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
       if (s + a * kSegment < item.c1) segment(s + a * kSegment, ahead[a], std::false_type{});
     }
   };
+  // With kHalves the masks are those of segments of kWidth lanes (packs of V / 2 entries across
+  // the warp's 32 lanes), and the item's odd channels run with the even ones before them (items
+  // start at multiples of kUniformChannels, so item.d has the parity of the channel's index).
   const auto run_items = [&](auto silu) {
-    for_each_channel_first_item<V, P, kMasked, kMasked ? channel_first_forward_kept<T, K>()
-                                                       : ItemKept::kNothing>(
-        p, split, 0,
-        [&](const ChannelFirstItem& item, UniformSegments masks) { run(item, masks, silu); });
+    for_each_channel_first_item<kHalves ? V / 2 : V, P, kMasked,
+                                kMasked ? channel_first_forward_kept<T, K>() : ItemKept::kNothing>(
+        p, split, 0, [&](const ChannelFirstItem& item, UniformSegments masks) {
+          if (!kHalves || item.d % 2 == 0) run(item, masks, silu);
+        });
   };
   if constexpr (kMasked) {
     // Chosen once, the activation saved one instruction of a uniform segment's 146 at bf16 K = 4
