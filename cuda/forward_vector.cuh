@@ -290,9 +290,9 @@ template <typename T, int K>
 constexpr ItemKept channel_first_forward_kept() {
   if constexpr (sizeof(T) == 4) return K == 2 || K >= 7 ? ItemKept::kRows : ItemKept::kChannels;
   if constexpr (std::is_same_v<T, __half>) {
-    return K <= 4 || K == 8 ? ItemKept::kRows : ItemKept::kChannels;
+    return K <= 3 || K == 8 ? ItemKept::kRows : ItemKept::kChannels;
   }
-  return K == 2 || K == 4 ? ItemKept::kRows : ItemKept::kChannels;
+  return K == 2 ? ItemKept::kRows : ItemKept::kChannels;
 }
 
 // Whether the channel-first forward's warps take two rows at once, one in each half of 16 lanes,
@@ -317,8 +317,10 @@ constexpr int64_t channel_first_forward_item_segments() {
 }
 
 // (B, D, L), L a multiple of the pack V: a warp streams chunk_len times of one (b, d) row, lane l
-// owning V consecutive times of each 32 V-time segment; the K-1 inputs before a lane's pack come
-// from its lower neighbours by shuffle. The next kForwardAhead segments' packs are in flight.
+// owning V consecutive times of each 32 V-time segment (with channel_first_forward_halves, of two
+// rows, each half of the warp one row's segments of 16 V times); the K-1 inputs before a lane's
+// pack come from its lower neighbours by shuffle. The next kForwardAhead segments' packs are in
+// flight.
 //
 // With seq_idx (items of at most kUniformSegments segments and of kUniformChannels channels, whose
 // uniform segments the warp finds once), the uniform segments run the unmasked arithmetic; the
@@ -341,14 +343,14 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
   // The item's channel `pair` (times [c0, c1)), with kHalves in the warp's lower half and channel
-  // pair.d + 1 in its upper half (where that is past the item's channels, the upper half repeats
-  // the lower half's loads and stores nothing); bit j of masks.before (then of uniform): whether
-  // the item's segment j is uniform (none past the first kUniformSegments). silu: p.silu, or
-  // without seq_idx std::true_type or std::false_type.
+  // pair.d + 1 in its upper half; where that is past the item's channels, the upper half repeats
+  // the lower half's row, storing the same values at the same addresses (a test of each store
+  // took bf16 K = 4 past its 80 registers: 8 bytes spilled). Bit j of masks.before (then of
+  // uniform): whether the item's segment j is uniform (none past the first kUniformSegments).
+  // silu: p.silu, or without seq_idx std::true_type or std::false_type.
   const auto run = [&](const ChannelFirstItem& pair, UniformSegments masks, auto silu) {
     const bool upper = kHalves && threadIdx.x % kLanes >= kWidth;
-    const bool live = !upper || pair.d + 1 < p.channels;  // whether the lane stores
-    const ChannelFirstItem item = upper && live ? pair.channel(1) : pair;
+    const ChannelFirstItem item = pair.channel(upper && pair.d + 1 < p.channels ? 1 : 0);
     // One element offset serves x and y: the lane's pack at time 0 of the row (their base pointers
     // stay in the constant bank); the lane's pack of segment s is the item's while s < lane_end.
     const int64_t lane_at = item.row * p.length + lane * V;
@@ -378,8 +380,8 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
     // ends the row.
     const auto segment = [&](int64_t s, RawFor<T, V>& slot, auto whole) {
       constexpr bool kWhole = decltype(whole)::value;
-      const bool ends_row = kFinalState && !kWhole && live && p.final_state != nullptr &&
-                            s + (lane + 1) * V == p.length;
+      const bool ends_row =
+          kFinalState && !kWhole && p.final_state != nullptr && s + (lane + 1) * V == p.length;
       const bool masked = kMasked && !(uniform & 1u);
       uniform >>= 1;
       float own[V];
@@ -407,7 +409,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
         channel_first_outputs<true, false>(w, bias[0], xs, segments, silu, out);
         ys = zero_padding<T, V>(to_raw(narrow<T, V>(out)), segments + P);
       }
-      if (live && (kWhole || s < lane_end)) {
+      if (kWhole || s < lane_end) {
         store_vec(y + lane_at + s, kMasked ? from_raw<T, V>(ys) : narrow<T, V>(out));
       }
     };

@@ -349,6 +349,26 @@ def test_channel_first_seq_idx_items(dev, dtype, width):
     check_cf_seq_idx(dev, dtype, width, True, channels=1024)
 
 
+# The masked 16-bit forward takes two rows a warp, one in each half of 16 lanes, in segments of 16
+# packs: cf_seq_idx's boundaries and padding at that scale (a boundary at every 16-pack start,
+# inside the odd ones, ...), with an odd channel count, so that a last item's second half has no
+# row; 5 channels make items of single segments on the H200, 1025 items of whole rows.
+@pytest.mark.parametrize("channels", [5, 1025])
+@pytest.mark.parametrize("width", range(2, 9))
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dev", GPU)
+def test_channel_first_seq_idx_halves(dev, dtype, width, channels):
+    rng = np.random.default_rng(width)
+    segment = segment_len(dtype)
+    length = 6 * segment + 2 * 16 // jnp.dtype(dtype).itemsize  # a last segment of two packs
+    seq = cf_seq_idx(length, segment // 2, width)
+    made = make_inputs(rng, batch=len(seq), length=length, channels=channels, width=width,
+                       dtype=dtype, layout="BDL", initial_state=True)
+    made["seq_idx"] = jnp.asarray(seq)
+    run_and_compare(made, dev, dtype=dtype, activation="silu", return_final_state=True,
+                    layout="BDL", what=f"K{width} D{channels}")
+
+
 # ---- channel-first short rows: 32 / group rows per warp, group lanes (a power of two) per row ----
 
 SHORT_LENGTHS = [8, 16, 64, 128, 136, 256]  # multiples of 8: every dtype's pack divides them
