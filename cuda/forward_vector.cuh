@@ -285,7 +285,9 @@ constexpr bool channel_first_forward_final_state() {
 // bytes, and f16 K = 6-7 and bf16 K = 6-8 took 106-114 registers (from 96, a block per SM fewer);
 // the others kept their registers (f16 K = 3 and f32 K = 7 one or two more, their blocks the
 // same). At bf16 K = 4 the item's channel loop outside its segment loop went from 1169 static
-// instructions (the channel count computed again) to 1085, its division chains gone.
+// instructions (the channel count computed again) to 1085, its division chains gone. With the
+// halves (channel_first_forward_halves: two of an item's four channels a run) 16-bit K = 4 keeping
+// the rows spilled 16 bytes at its 80 registers.
 template <typename T, int K>
 constexpr ItemKept channel_first_forward_kept() {
   if constexpr (sizeof(T) == 4) return K == 2 || K >= 7 ? ItemKept::kRows : ItemKept::kChannels;

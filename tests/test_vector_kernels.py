@@ -352,7 +352,7 @@ def test_channel_first_seq_idx_items(dev, dtype, width):
 # The masked 16-bit forward takes two rows a warp, one in each half of 16 lanes, in segments of 16
 # packs: cf_seq_idx's boundaries and padding at that scale (a boundary at every 16-pack start,
 # inside the odd ones, ...), with an odd channel count, so that a last item's second half has no
-# row; 5 channels make items of single segments on the H200, 1025 items of whole rows.
+# row; on the H200 5 channels make items of one 32-pack segment, 1025 items of four.
 @pytest.mark.parametrize("channels", [5, 1025])
 @pytest.mark.parametrize("width", range(2, 9))
 @pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
