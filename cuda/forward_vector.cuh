@@ -299,12 +299,14 @@ constexpr ItemKept channel_first_forward_kept() {
 
 // Whether the channel-first forward's warps take two rows at once, one in each half of 16 lanes,
 // in segments of 16 V times: with seq_idx, for 16-bit T. A sequence boundary then makes the
-// segments of 16 V times around it masked instead of those of 32 V: at four sequences a row of
-// 2048 (bf16 K = 4) 3.1 of a row's 8 segments of 256 times were masked, at about 1.5 times a
-// uniform segment's instructions; in halves, 3.2 of 16 of 128 times, which the warp takes two
-// rows at a time. uniform_segments then checks packs of V / 2 entries, twice the segments of
-// fewer instructions each, once per item of kUniformChannels rows. f32 (V = 4) would need packs
-// of 2 entries there.
+// segments of 16 V times around it masked instead of those of 32 V, at the same instructions a
+// warp's segment (bf16 K = 4: 124 uniform, 187 masked): at four sequences a row of 2048 at three
+// random cuts (bench.py's features case) 2.7 of a row's 8 segments of 256 times were masked, in
+// halves 2.9 of its 16 of 128, which the warp takes two rows at a time (1.45 a row's 8 warp
+// segments). uniform_segments then checks packs of V / 2 entries, twice the segments at 19
+// instructions each instead of 24, once per item of kUniformChannels rows; an item takes two runs
+// (weights, carry, first loads, tail) instead of four. f32 (V = 4) would need packs of 2 entries
+// there (load_segments reads fours).
 template <typename T, bool kMasked>
 constexpr bool channel_first_forward_halves() {
   return kMasked && sizeof(T) == 2;
@@ -346,10 +348,10 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
   T* y = static_cast<T*>(p.y);
   // The item's channel `pair` (times [c0, c1)), with kHalves in the warp's lower half and channel
   // pair.d + 1 in its upper half; where that is past the item's channels, the upper half repeats
-  // the lower half's row, storing the same values at the same addresses (a test of each store
-  // took bf16 K = 4 past its 80 registers: 8 bytes spilled). Bit j of masks.before (then of
-  // uniform): whether the item's segment j is uniform (none past the first kUniformSegments).
-  // silu: p.silu, or without seq_idx std::true_type or std::false_type.
+  // the lower half's row, storing the same values at the same addresses (with a test of each
+  // store, bf16 K = 4 keeping the rows spilled 8 bytes at its 80 registers). Bit j of
+  // masks.before (then of uniform): whether the item's segment j is uniform (none past the first
+  // kUniformSegments). silu: p.silu, or without seq_idx std::true_type or std::false_type.
   const auto run = [&](const ChannelFirstItem& pair, UniformSegments masks, auto silu) {
     const bool upper = kHalves && threadIdx.x % kLanes >= kWidth;
     const ChannelFirstItem item = pair.channel(upper && pair.d + 1 < p.channels ? 1 : 0);
