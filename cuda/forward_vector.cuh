@@ -285,16 +285,14 @@ constexpr bool channel_first_forward_final_state() {
 // bytes, and f16 K = 6-7 and bf16 K = 6-8 took 106-114 registers (from 96, a block per SM fewer);
 // the others kept their registers (f16 K = 3 and f32 K = 7 one or two more, their blocks the
 // same). At bf16 K = 4 the item's channel loop outside its segment loop went from 1169 static
-// instructions (the channel count computed again) to 1085, its division chains gone. With the
-// halves (channel_first_forward_halves: two of an item's four channels a run) 16-bit K = 4 keeping
-// the rows spilled 16 bytes at its 80 registers.
+// instructions (the channel count computed again) to 1085, its division chains gone.
 template <typename T, int K>
 constexpr ItemKept channel_first_forward_kept() {
   if constexpr (sizeof(T) == 4) return K == 2 || K >= 7 ? ItemKept::kRows : ItemKept::kChannels;
   if constexpr (std::is_same_v<T, __half>) {
-    return K <= 3 || K == 8 ? ItemKept::kRows : ItemKept::kChannels;
+    return K <= 4 || K == 8 ? ItemKept::kRows : ItemKept::kChannels;
   }
-  return K == 2 ? ItemKept::kRows : ItemKept::kChannels;
+  return K == 2 || K == 4 ? ItemKept::kRows : ItemKept::kChannels;
 }
 
 // Whether the channel-first forward's warps take two rows at once, one in each half of 16 lanes,
@@ -306,18 +304,22 @@ constexpr ItemKept channel_first_forward_kept() {
 // segments). uniform_segments then checks packs of V / 2 entries, twice the segments at 19
 // instructions each instead of 24, once per item of kUniformChannels rows; an item takes two runs
 // (weights, carry, first loads, tail) instead of four. f32 (V = 4) would need packs of 2 entries
-// there (load_segments reads fours).
-template <typename T, bool kMasked>
+// there (load_segments reads fours). On the H200 (twentieth session, packed BDL fwd, us) the
+// halves took K = 6 100.7 -> 94.6 and K = 8 110.0 -> 100.8, but K = 2 83.8 -> 84.9 and K = 4
+// 83.8 -> 86.7 (f16 83.2 -> 86.3; 16-bit K = 4 also lost its kept rows, which spilled): where a
+// uniform segment is cheap, a run's fixed cost and the masked share weigh less than the halves'
+// extra shuffles and twice the uniform_segments checks. So K >= 6 only.
+template <typename T, int K, bool kMasked>
 constexpr bool channel_first_forward_halves() {
-  return kMasked && sizeof(T) == 2;
+  return kMasked && sizeof(T) == 2 && K >= 6;
 }
 
 // The most segments of 32 V times per channel-first forward item: as many as uniform_segments'
 // masks cover (half as many of 32 V times with halves).
-template <typename T, bool kMasked>
+template <typename T, int K, bool kMasked>
 constexpr int64_t channel_first_forward_item_segments() {
-  return channel_first_forward_halves<T, kMasked>() ? kUniformSegments / 2
-                                                    : forward_item_segments<kMasked>();
+  return channel_first_forward_halves<T, K, kMasked>() ? kUniformSegments / 2
+                                                       : forward_item_segments<kMasked>();
 }
 
 // (B, D, L), L a multiple of the pack V: a warp streams chunk_len times of one (b, d) row, lane l
@@ -338,7 +340,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
     forward_channel_first_kernel(ConvParams p, ChannelFirstSplit split) {
   constexpr int V = kPack<T>;
   constexpr int P = K - 1;
-  constexpr bool kHalves = channel_first_forward_halves<T, kMasked>();
+  constexpr bool kHalves = channel_first_forward_halves<T, K, kMasked>();
   constexpr int kWidth = kHalves ? kLanes / 2 : kLanes;  // lanes a row's segment takes
   constexpr int64_t kSegment = kWidth * V;
   constexpr int kTurn = channel_first_forward_turn<T, K, kMasked>();
@@ -348,8 +350,8 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
   T* y = static_cast<T*>(p.y);
   // The item's channel `pair` (times [c0, c1)), with kHalves in the warp's lower half and channel
   // pair.d + 1 in its upper half; where that is past the item's channels, the upper half repeats
-  // the lower half's row, storing the same values at the same addresses (with a test of each
-  // store, bf16 K = 4 keeping the rows spilled 8 bytes at its 80 registers). Bit j of
+  // the lower half's row, storing the same values at the same addresses (a test of each store
+  // instead spilled 8 bytes at bf16 K = 4, when that had halves). Bit j of
   // masks.before (then of uniform): whether the item's segment j is uniform (none past the first
   // kUniformSegments). silu: p.silu, or without seq_idx std::true_type or std::false_type.
   const auto run = [&](const ChannelFirstItem& pair, UniformSegments masks, auto silu) {
