@@ -227,7 +227,7 @@ int64_t launch_vector_backward(cudaStream_t stream, const ConvParams& p, float* 
     return 1;
   }
   constexpr auto kernel = backward_channel_first_kernel<T, K, kMasked>;
-  constexpr int kWidth = kChannelFirstBackwardWidth;
+  constexpr int kWidth = channel_first_backward_width<T, kMasked>();
   const int64_t chunk_len =
       channel_first_chunk_for<kernel, T, kMasked, kWidth>(p, backward_item_segments<kMasked>());
   const ChannelFirstSplit split(p, chunk_len, channels_per_item<kMasked, kWidth>());

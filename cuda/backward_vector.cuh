@@ -415,15 +415,20 @@ constexpr int channel_first_backward_min_blocks() {
 }
 
 // Lanes per channel of the channel-first backward: a warp streams two rows (channels) at a time,
-// a half-warp each, in segments of 16 packs. A warp's segment costs what one of 32 packs of a row
-// did (SASS at bf16 K = 4: 243 instructions against 242), while a run's fixed cost (weights,
-// carry, the first delta, the last dx, the dw/db sums: about 430) is paid once per two rows: at
-// L = 2048 a row issues 2162 instead of 2366 (f32 K = 4 2528 instead of 2653, bf16 K = 8 3194
-// instead of 3494). With seq_idx, a segment that straddles a sequence boundary runs the masked
+// a half-warp each, in segments of 16 packs, or (float32 without seq_idx) one row in segments of
+// 32. A warp's segment of 16 costs what one of 32 did (SASS at bf16 K = 4: 243 instructions
+// against 242), while a run's fixed cost (weights, carry, the first delta, the last dx, the dw/db
+// sums: about 430) is paid once per two rows: at L = 2048 a 16-bit row issues 2162 instead of 2366
+// at K = 4, 3194 instead of 3494 at K = 8. Not float32's: its K = 4 segment took 145 instead of
+// 140, and at B=8 L=2048 D=4096 the launch cut rows in two, as many runs as with whole rows of
+// one channel. With seq_idx, a segment that straddles a sequence boundary runs the masked
 // arithmetic (about 1.6 times a uniform segment's instructions at bf16 K = 4); at four packed
 // sequences a row of 2048, a third of the segments of 32 packs did, and about a sixth of those of
 // 16 packs.
-constexpr int kChannelFirstBackwardWidth = kLanes / 2;
+template <typename T, bool kMasked>
+constexpr int channel_first_backward_width() {
+  return kMasked || sizeof(T) < 4 ? kLanes / 2 : kLanes;
+}
 
 // (B, D, L), L a multiple of the pack V. A group of lanes (kWidth, see above) streams chunk_len
 // times of one (b, d) row in segments of kWidth V times, lane l of the group owning V consecutive
@@ -440,7 +445,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
     backward_channel_first_kernel(ConvParams p, float* partials, ChannelFirstSplit split) {
   constexpr int V = kPack<T>;
   constexpr int P = K - 1;
-  constexpr int kWidth = kChannelFirstBackwardWidth;
+  constexpr int kWidth = channel_first_backward_width<T, kMasked>();
   constexpr int64_t kSegment = kWidth * V;
   using Word = RawFor<T, V>;
   const Conv<T, float, K> conv{p};
