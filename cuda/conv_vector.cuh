@@ -731,8 +731,8 @@ __device__ __forceinline__ void halo_after(const U (&own)[V], const U (&next)[V]
 enum class ItemKept { kNothing, kChannels, kRows };
 
 // Runs run(item, uniform) for this warp's channel-first items (a grid-stride loop over warps) of
-// rows cut as split says (channels_per_item<kMasked>() channels per item). With seq_idx the
-// channels of an item share one UniformSegments, found over its segments from c0 to
+// rows cut as split says (channels_per_item<kMasked, kWidth>() channels per item). With seq_idx
+// the channels of an item share one UniformSegments, found over its segments from c0 to
 // min(c1 + extra, L): the times it loads (the backward's dx also needs the P after its own).
 // Without seq_idx, all zero. kKept: see ItemKept. kWidth < 32: segments of kWidth packs (see
 // uniform_segments), and each group of kWidth lanes takes its own channel of the item at a time,
