@@ -414,15 +414,20 @@ constexpr int channel_first_backward_min_blocks() {
   return K <= 6 ? 5 : 4;
 }
 
-// Lanes per channel of the channel-first backward: a warp streams one row in segments of 32
-// packs, or with seq_idx two rows (channels) at a time in segments of 16 packs, a half-warp each.
-// A segment that straddles a sequence boundary runs the masked arithmetic (about 1.6 times a
-// uniform segment's instructions at bf16 K = 4); at four packed sequences a row of 2048, a third
-// of the segments of 32 packs did, and about a sixth of those of 16 packs, for the same
-// instructions per time in both.
-template <bool kMasked>
+// Lanes per channel of the channel-first backward: a warp streams two rows (channels) at a time,
+// a half-warp each, in segments of 16 packs, or (float32 without seq_idx) one row in segments of
+// 32. A warp's segment of 16 costs what one of 32 did (SASS at bf16 K = 4: 243 instructions
+// against 242), while a run's fixed cost (weights, carry, the first delta, the last dx, the dw/db
+// sums: about 430) is paid once per two rows: at L = 2048 a 16-bit row issues 2162 instead of 2366
+// at K = 4, 3194 instead of 3494 at K = 8. Not float32's: its K = 4 segment took 145 instead of
+// 140, and at B=8 L=2048 D=4096 the launch cut rows in two, as many runs as with whole rows of
+// one channel. With seq_idx, a segment that straddles a sequence boundary runs the masked
+// arithmetic (about 1.6 times a uniform segment's instructions at bf16 K = 4); at four packed
+// sequences a row of 2048, a third of the segments of 32 packs did, and about a sixth of those of
+// 16 packs.
+template <typename T, bool kMasked>
 constexpr int channel_first_backward_width() {
-  return kMasked ? kLanes / 2 : kLanes;
+  return kMasked || sizeof(T) < 4 ? kLanes / 2 : kLanes;
 }
 
 // (B, D, L), L a multiple of the pack V. A group of lanes (kWidth, see above) streams chunk_len
@@ -431,8 +436,8 @@ constexpr int channel_first_backward_width() {
 // the next segment's delta is known, dx (delta halos from higher lanes or the next segment).
 // dw/db stay in registers until the chunk ends, then warp_sum_scatter sums them into
 // partials[b, chunk, d, 0..K]. A chunk that ends before the row does computes the first P deltas
-// after it again (they belong to the next chunk). With seq_idx, a warp item takes
-// kUniformChannels channels, whose uniform segments it finds once; those run the unmasked
+// after it again (they belong to the next chunk). A warp item takes a channel per group; with
+// seq_idx, kUniformChannels channels, whose uniform segments it finds once; those run the unmasked
 // arithmetic, the others load their seq_idx entries.
 template <typename T, int K, bool kMasked>
 __global__ void
@@ -440,7 +445,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
     backward_channel_first_kernel(ConvParams p, float* partials, ChannelFirstSplit split) {
   constexpr int V = kPack<T>;
   constexpr int P = K - 1;
-  constexpr int kWidth = channel_first_backward_width<kMasked>();
+  constexpr int kWidth = channel_first_backward_width<T, kMasked>();
   constexpr int64_t kSegment = kWidth * V;
   using Word = RawFor<T, V>;
   const Conv<T, float, K> conv{p};

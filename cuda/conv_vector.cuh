@@ -552,16 +552,18 @@ constexpr int kUniformSegments = 32;  // the bits of uniform_segments' masks
 // 150 for a uniform segment's outputs (SASS, bf16 K = 4), and it reads the row's entries (twice
 // the bytes of bf16 x) once per item; without the sharing, every channel paid both.
 constexpr int kUniformChannels = 4;
-template <bool kMasked>
+// Channels per warp item: without seq_idx, one per group of kWidth lanes (see
+// for_each_channel_first_item).
+template <bool kMasked, int kWidth = kLanes>
 constexpr int channels_per_item() {
-  return kMasked ? kUniformChannels : 1;
+  return kMasked ? kUniformChannels : kLanes / kWidth;
 }
 
 // The warp items of a channel-first kernel with rows cut into `chunks` chunks.
-template <bool kMasked>
+template <bool kMasked, int kWidth = kLanes>
 __host__ __device__ __forceinline__ int64_t channel_first_items(const ConvParams& p,
                                                                 int64_t chunks) {
-  constexpr int G = channels_per_item<kMasked>();
+  constexpr int G = channels_per_item<kMasked, kWidth>();
   return p.batch * ((p.channels + G - 1) / G) * chunks;
 }
 
@@ -729,13 +731,13 @@ __device__ __forceinline__ void halo_after(const U (&own)[V], const U (&next)[V]
 enum class ItemKept { kNothing, kChannels, kRows };
 
 // Runs run(item, uniform) for this warp's channel-first items (a grid-stride loop over warps) of
-// rows cut as split says (channels_per_item<kMasked>() channels per item). With seq_idx the
-// channels of an item share one UniformSegments, found over its segments from c0 to
+// rows cut as split says (channels_per_item<kMasked, kWidth>() channels per item). With seq_idx
+// the channels of an item share one UniformSegments, found over its segments from c0 to
 // min(c1 + extra, L): the times it loads (the backward's dx also needs the P after its own).
-// Without seq_idx, all zero. kKept: see ItemKept. kWidth < 32 (with seq_idx): segments of kWidth
-// packs (see uniform_segments), and each group of kWidth lanes takes its own channel of the item
-// at a time, the groups consecutive ones; where the item has fewer left, the last again (the
-// groups then store the same values to the same places).
+// Without seq_idx, all zero. kKept: see ItemKept. kWidth < 32: segments of kWidth packs (see
+// uniform_segments), and each group of kWidth lanes takes its own channel of the item at a time,
+// the groups consecutive ones; where the item has fewer left, the last again (the groups then
+// store the same values to the same places).
 template <int V, int P, bool kMasked, ItemKept kKept = ItemKept::kNothing, int kWidth = kLanes,
           typename Run>
 __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
@@ -743,16 +745,19 @@ __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
                                                             int64_t extra, const Run& run) {
   constexpr int64_t kSegment = kWidth * V;
   constexpr int kGroups = kLanes / kWidth;
-  constexpr int G = channels_per_item<kMasked>();
+  constexpr int G = channels_per_item<kMasked, kWidth>();
   static_assert(kGroups == 1 || G > 1, "groups of lanes share an item's segments");
   const int lane = threadIdx.x % kLanes;
-  const int64_t items = channel_first_items<kMasked>(p, split.chunks.d);
+  const int64_t items = channel_first_items<kMasked, kWidth>(p, split.chunks.d);
   const int64_t warps_per_grid = int64_t{gridDim.x} * (blockDim.x / kLanes);
   for (int64_t i = blockIdx.x * int64_t{blockDim.x / kLanes} + threadIdx.x / kLanes;
        i < items; i += warps_per_grid) {
     const ChannelFirstItem first(i, split, p, G);
     if constexpr (G == 1) {
       run(first, UniformSegments{0, 0});
+    } else if constexpr (!kMasked) {
+      const int last = static_cast<int>(std::min<int64_t>(G, p.channels - first.d)) - 1;
+      run(first.channel(std::min(lane / kWidth, last)), UniformSegments{0, 0});
     } else {
       const int64_t end = std::min(first.c1 + extra, p.length);
       const int count = static_cast<int>(

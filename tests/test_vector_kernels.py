@@ -365,6 +365,22 @@ def test_channel_first_seq_idx_half_segments(dev, dtype, width, channels):
                      boundaries=segment_len(dtype) // 2)
 
 
+# Without seq_idx too the 16-bit backward takes two channels a warp, a half-warp each, over
+# segments of 16 packs: odd channel counts (the last item runs its one channel on both halves), in
+# single-segment items (3 channels) and in items of several segments (1023), rows of 12 segments
+# and 2 packs, with an initial state and the final state's cotangent (float32: one channel a warp).
+@pytest.mark.parametrize("channels", [3, 1023])
+@pytest.mark.parametrize("width", range(2, 9))
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dev", GPU)
+def test_channel_first_half_segments(dev, dtype, width, channels):
+    rng = np.random.default_rng(width)
+    length = 6 * segment_len(dtype) + 2 * 16 // jnp.dtype(dtype).itemsize
+    args, _ = inputs(rng, dtype, batch=6, length=length, channels=channels, width=width,
+                     layout="BDL", state=True)
+    compare(dev, rng, args, None, dtype, activation="silu", layout="BDL", final="random")
+
+
 # ---- channel-first short rows: 32 / group rows per warp, group lanes (a power of two) per row ----
 
 SHORT_LENGTHS = [8, 16, 64, 128, 136, 256]  # multiples of 8: every dtype's pack divides them
