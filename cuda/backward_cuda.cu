@@ -227,10 +227,11 @@ int64_t launch_vector_backward(cudaStream_t stream, const ConvParams& p, float* 
     return 1;
   }
   constexpr auto kernel = backward_channel_first_kernel<T, K, kMasked>;
+  constexpr int kWidth = channel_first_backward_width<T, kMasked>();
   const int64_t chunk_len =
-      channel_first_chunk_for<kernel, T, kMasked>(p, backward_item_segments<kMasked>());
-  const ChannelFirstSplit split(p, chunk_len, channels_per_item<kMasked>());
-  const int64_t items = channel_first_items<kMasked>(p, split.chunks.d);
+      channel_first_chunk_for<kernel, T, kMasked, kWidth>(p, backward_item_segments<kMasked>());
+  const ChannelFirstSplit split(p, chunk_len, channels_per_item<kMasked, kWidth>());
+  const int64_t items = channel_first_items<kMasked, kWidth>(p, split.chunks.d);
   kernel<<<grid_for_warps(items), kChannelFirstThreads, 0, stream>>>(p, partials, split);
   return split.chunks.d;
 }

@@ -371,11 +371,12 @@ constexpr int power_of_two_from(int n) {
 // of the first log2(kPadded) levels exchanges half of the values a lane still holds with lane
 // l ^ half and keeps the half that bit `half` of l selects; the levels left sum the one value.
 // N = 5 takes 4 + 2 + 1 + 1 + 1 = 9 shuffles against 25 for a tree per value. Each sum runs in one
-// fixed order, so the backward stays deterministic.
-template <int N>
+// fixed order, so the backward stays deterministic. kWidth < 32: the sums of each group of kWidth
+// lanes (lane: the lane's index in its group).
+template <int kWidth = kLanes, int N>
 __device__ __forceinline__ float warp_sum_scatter(const float (&values)[N], int lane) {
   constexpr int kPadded = power_of_two_from(N);
-  static_assert(kPadded <= kLanes, "a value per lane at most");
+  static_assert(kPadded <= kWidth, "a value per lane at most");
   float v[kPadded];
 #pragma unroll
   for (int i = 0; i < kPadded; ++i) v[i] = i < N ? values[i] : 0.0f;
@@ -389,7 +390,7 @@ __device__ __forceinline__ float warp_sum_scatter(const float (&values)[N], int 
     }
   }
 #pragma unroll
-  for (int lanes = kPadded; lanes < kLanes; lanes *= 2) {
+  for (int lanes = kPadded; lanes < kWidth; lanes *= 2) {
     v[0] += __shfl_xor_sync(kFullWarp, v[0], lanes);
   }
   return v[0];
@@ -413,24 +414,42 @@ constexpr int channel_first_backward_min_blocks() {
   return K <= 6 ? 5 : 4;
 }
 
-// (B, D, L), L a multiple of the pack V. A warp streams chunk_len times of one (b, d) row in
-// segments of 32 V times, lane l owning V consecutive times of each. Per segment it computes delta
-// (x halos from lower lanes by shuffle) and, once the next segment's delta is known, dx (delta
-// halos from higher lanes or the next segment). dw/db stay in registers until the chunk ends, then
-// warp_sum_scatter sums them into partials[b, chunk, d, 0..K]. A chunk that ends before the
-// row does computes the first P deltas after it again (they belong to the next chunk). With
-// seq_idx, a warp item takes kUniformChannels channels, whose uniform segments it finds once; those
-// run the unmasked arithmetic, the others load their seq_idx entries.
+// Lanes per channel of the channel-first backward: a warp streams two rows (channels) at a time,
+// a half-warp each, in segments of 16 packs, or (float32 without seq_idx) one row in segments of
+// 32. A warp's segment of 16 costs what one of 32 did (SASS at bf16 K = 4: 243 instructions
+// against 242), while a run's fixed cost (weights, carry, the first delta, the last dx, the dw/db
+// sums: about 430) is paid once per two rows: at L = 2048 a 16-bit row issues 2162 instead of 2366
+// at K = 4, 3194 instead of 3494 at K = 8. Not float32's: its K = 4 segment took 145 instead of
+// 140, and at B=8 L=2048 D=4096 the launch cut rows in two, as many runs as with whole rows of
+// one channel. With seq_idx, a segment that straddles a sequence boundary runs the masked
+// arithmetic (about 1.6 times a uniform segment's instructions at bf16 K = 4); at four packed
+// sequences a row of 2048, a third of the segments of 32 packs did, and about a sixth of those of
+// 16 packs.
+template <typename T, bool kMasked>
+constexpr int channel_first_backward_width() {
+  return kMasked || sizeof(T) < 4 ? kLanes / 2 : kLanes;
+}
+
+// (B, D, L), L a multiple of the pack V. A group of lanes (kWidth, see above) streams chunk_len
+// times of one (b, d) row in segments of kWidth V times, lane l of the group owning V consecutive
+// times of each. Per segment it computes delta (x halos from lower lanes by shuffle) and, once
+// the next segment's delta is known, dx (delta halos from higher lanes or the next segment).
+// dw/db stay in registers until the chunk ends, then warp_sum_scatter sums them into
+// partials[b, chunk, d, 0..K]. A chunk that ends before the row does computes the first P deltas
+// after it again (they belong to the next chunk). A warp item takes a channel per group; with
+// seq_idx, kUniformChannels channels, whose uniform segments it finds once; those run the unmasked
+// arithmetic, the others load their seq_idx entries.
 template <typename T, int K, bool kMasked>
 __global__ void
 __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, kMasked>())
     backward_channel_first_kernel(ConvParams p, float* partials, ChannelFirstSplit split) {
   constexpr int V = kPack<T>;
   constexpr int P = K - 1;
-  constexpr int64_t kSegment = kLanes * V;
+  constexpr int kWidth = channel_first_backward_width<T, kMasked>();
+  constexpr int64_t kSegment = kWidth * V;
   using Word = RawFor<T, V>;
   const Conv<T, float, K> conv{p};
-  const int lane = threadIdx.x % kLanes;
+  const int lane = threadIdx.x % kWidth;  // in the lane's group, which takes one channel
   __shared__ Word x_slots[kBackwardAhead * kChannelFirstThreads],
       dy_slots[kBackwardAhead * kChannelFirstThreads];
   const RowRing<kBackwardAhead, Word, kChannelFirstThreads> x_ring{x_slots}, dy_ring{dy_slots};
@@ -449,7 +468,10 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
     const int64_t lane_end = loaded_end - lane * V;
     float w[K][1], bias[1];
     load_param_row<T>(p, item.param_row, w, bias);
+    // Held opaque: with a channel a half-warp, NVVM recomputed item.b * length for each masked
+    // segment's entries (5 instructions each of its delta and dx at bf16 K = 4).
     const int32_t* segment_row = kMasked ? p.seq_idx + item.b * p.length : nullptr;
+    asm("" : "+l"(segment_row));
     ChannelFirstCarry<K> carry;
     carry.load(static_cast<const T*>(p.x) + item.row * p.length,
                p.initial_state == nullptr
@@ -485,7 +507,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
       fetch(s + kBackwardAhead * kSegment, step + kBackwardAhead);
       ++step;
       float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}
-      carry.advance(own, lane, xs);
+      carry.template advance<V, kWidth>(own, lane, xs);
       const bool accumulate = kInterior || t0 < item.c1;
       if (!masked) {
         channel_first_deltas<false>(w, bias[0], xs, dy, nullptr, exists, accumulate, silu,
@@ -509,7 +531,9 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
       // are longer than 32 packs (shorter ones take backward_short_rows_kernel): those outputs
       // exist, and no time of dS is one of the final state's.
       float first[P];
-      for (int t = 0; t < P; ++t) first[t] = __shfl_sync(kFullWarp, current.delta[t % V], t / V);
+      for (int t = 0; t < P; ++t) {
+        first[t] = __shfl_sync(kFullWarp, current.delta[t % V], t / V, kWidth);
+      }
       if (lane == 0) {
         const int32_t segment_u = kMasked ? conv.segment(item.b, 0) : 0;
         T* ds_row = static_cast<T*>(p.dinitial_state) + item.row * P;
@@ -539,7 +563,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
       uniform.after >>= 1;
       const int64_t t0 = s + lane * V;
       float after[P];
-      halo_after<P, V>(current.delta, next.delta, lane, after);
+      halo_after<P, V, kWidth>(current.delta, next.delta, lane, after);
       float g[V];
       // select: std::true_type for seq_idx's masks, segments[j] the entry of x_{t0+j}. Without
       // them the taps of outputs past the row are skipped, as the entries (-1) skip them.
@@ -582,14 +606,14 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
     int64_t s = item.c0;
     for (; s + 2 * kSegment <= item.c1; s += kSegment) segment_dx(s, std::true_type{});
     for (; s < item.c1; s += kSegment) segment_dx(s, std::false_type{});
-    const float sum = warp_sum_scatter(dw, lane);
+    const float sum = warp_sum_scatter<kWidth>(dw, lane);
     ring_wait<0>();  // the fetches past the item land before the next item's reuse their slots
     if (lane <= K) {
       partials[((item.b * item.chunks + item.chunk) * p.channels + item.d) * (K + 1) + lane] = sum;
     }
   };
   with_bool_constant(p.silu, [&](auto silu) {
-    for_each_channel_first_item<V, P, kMasked>(
+    for_each_channel_first_item<V, P, kMasked, ItemKept::kNothing, kWidth>(
         p, split, P,
         [&](const ChannelFirstItem& item, UniformSegments uniform) { run(item, uniform, silu); });
   });

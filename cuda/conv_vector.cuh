@@ -429,13 +429,14 @@ __device__ __forceinline__ void halo_before(const U (&own)[V], const U (&carry)[
   }
 }
 
-// The segment's last P values, which the next segment's halo_before needs as its carry.
-template <int P, int V, typename U>
+// The segment's last P values, which the next segment's halo_before needs as its carry. With
+// kWidth < 32, the same within each group of kWidth lanes (a segment of kWidth packs).
+template <int P, int V, int kWidth = kLanes, typename U>
 __device__ __forceinline__ void segment_tail(const U (&own)[V], U (&carry)[P]) {
 #pragma unroll
   for (int j = 0; j < P; ++j) {
-    const int at = kLanes * V - P + j;
-    carry[j] = __shfl_sync(kFullWarp, own[at % V], at / V);
+    const int at = kWidth * V - P + j;
+    carry[j] = __shfl_sync(kFullWarp, own[at % V], at / V, kWidth);
   }
 }
 
@@ -463,18 +464,20 @@ struct ChannelFirstCarry {
   // segments in order. With P <= V the halo costs one shuffle per value: the P values before a
   // lane's pack are lane l - 1's, lane 0 taking the carry's and replacing them with lane 31's
   // (x then holds the carry in lane 0 only); halo_before and segment_tail (any P) took two
-  // shuffles per value and a select.
-  template <int V>
+  // shuffles per value and a select. kWidth < 32: segments of kWidth packs, a row per group of
+  // kWidth lanes (lane: the lane's index in its group).
+  template <int V, int kWidth = kLanes>
   __device__ __forceinline__ void advance(const float (&own)[V], int lane, float (&xs)[P + V]) {
     if constexpr (P <= V) {
       for (int j = 0; j < P; ++j) {
-        const float rotated = __shfl_sync(kFullWarp, own[V - P + j], (lane + kLanes - 1) % kLanes);
+        const float rotated =
+            __shfl_sync(kFullWarp, own[V - P + j], (lane + kWidth - 1) % kWidth, kWidth);
         xs[j] = lane == 0 ? x[j] : rotated;
         x[j] = rotated;
       }
     } else {
-      halo_before<P, V>(own, x, lane, reinterpret_cast<float(&)[P]>(xs[0]));
-      segment_tail<P, V>(own, x);
+      halo_before<P, V>(own, x, lane, reinterpret_cast<float(&)[P]>(xs[0]), kWidth);
+      segment_tail<P, V, kWidth>(own, x);
     }
     for (int v = 0; v < V; ++v) xs[P + v] = own[v];
   }
@@ -549,16 +552,18 @@ constexpr int kUniformSegments = 32;  // the bits of uniform_segments' masks
 // 150 for a uniform segment's outputs (SASS, bf16 K = 4), and it reads the row's entries (twice
 // the bytes of bf16 x) once per item; without the sharing, every channel paid both.
 constexpr int kUniformChannels = 4;
-template <bool kMasked>
+// Channels per warp item: without seq_idx, one per group of kWidth lanes (see
+// for_each_channel_first_item).
+template <bool kMasked, int kWidth = kLanes>
 constexpr int channels_per_item() {
-  return kMasked ? kUniformChannels : 1;
+  return kMasked ? kUniformChannels : kLanes / kWidth;
 }
 
 // The warp items of a channel-first kernel with rows cut into `chunks` chunks.
-template <bool kMasked>
+template <bool kMasked, int kWidth = kLanes>
 __host__ __device__ __forceinline__ int64_t channel_first_items(const ConvParams& p,
                                                                 int64_t chunks) {
-  constexpr int G = channels_per_item<kMasked>();
+  constexpr int G = channels_per_item<kMasked, kWidth>();
   return p.batch * ((p.channels + G - 1) / G) * chunks;
 }
 
@@ -613,14 +618,15 @@ __device__ __forceinline__ void load_segment_window_after(const int32_t* row, in
   for (int j = 0; j < V + A; ++j) out[j] = all[j];
 }
 
-// Segments of 32 V times s_j = s + j 32 V of a row, j < count, that are uniform: every time u of
-// a window around s_j that is before the row's end has one and the same seq_idx entry >= 0 (u < 0:
-// the row's first entry, as in load_segment_window_before). Then every mask of the outputs that
-// read only the window's times holds (none is padding, every tap is used), and the unmasked
-// arithmetic gives their bits; times past the row are no output's and no tap's.
+// Segments of W V times s_j = s + j W V of a row (W packs: 32, or uniform_segments' kWidth), j <
+// count, that are uniform: every time u of a window around s_j that is before the row's end has one
+// and the same seq_idx entry >= 0 (u < 0: the row's first entry, as in load_segment_window_before).
+// Then every mask of the outputs that read only the window's times holds (none is padding, every
+// tap is used), and the unmasked arithmetic gives their bits; times past the row are no output's
+// and no tap's.
 struct UniformSegments {
-  uint32_t before;  // bit j: over [s_j - P, s_j + 32 V), the taps of segment j's outputs
-  uint32_t after;   // bit j: over [s_j, s_j + 32 V + P), the outputs whose taps are its times
+  uint32_t before;  // bit j: over [s_j - P, s_j + W V), the taps of segment j's outputs
+  uint32_t after;   // bit j: over [s_j, s_j + W V + P), the outputs whose taps are its times
 };
 
 // Whether a lane's pack of seq_idx entries is one id >= 0 throughout (the callers also compare it
@@ -637,15 +643,20 @@ __device__ __forceinline__ bool pack_is_uniform(const int32_t (&own)[V]) {
 // lane 0 the previous segment's), and a ballot gathers the lanes; lane j keeps segment j's
 // ballot. The P times before (after) a segment are in the last (first) packs of its neighbour,
 // which must check out too: a boundary in those packs but outside the P times makes the segment
-// masked, not wrong. Every lane must call it, with the same arguments.
-template <int V, int P>
+// masked, not wrong. Every lane must call it, with the same arguments. kWidth < 32: segments of
+// kWidth packs (s_j = s + j kWidth V); each ballot then takes 32 / kWidth of them, and lane j
+// takes segment j's bits of its ballot.
+template <int V, int P, int kWidth = kLanes>
 __device__ UniformSegments uniform_segments(const int32_t* row, int64_t s, int count,
                                             int64_t length, int lane) {
-  constexpr int kSegment = kLanes * V;
+  constexpr int kSegment = kWidth * V;
+  constexpr int kPerBallot = kLanes / kWidth;
+  constexpr uint32_t kSegmentLanes = kWidth == kLanes ? kFullWarp : (1u << kWidth) - 1;
   constexpr int kEdge = (P + 3) / 4 * 4;        // entries loaded before the first segment
   constexpr int kEdgeLanes = (P + V - 1) / V;  // lanes whose packs hold the first or last P times
   constexpr uint32_t kFirstLanes = (1u << kEdgeLanes) - 1;
-  constexpr uint32_t kLastLanes = ~0u << (kLanes - kEdgeLanes);
+  constexpr uint32_t kLastLanes = kSegmentLanes & (~0u << (kWidth - kEdgeLanes));
+  const int ballots = (count + kPerBallot - 1) / kPerBallot;
   // The entry of time s - 1 if the P times before s share it, else -1 (no match); before the row,
   // the row's first entry.
   int32_t previous;
@@ -657,12 +668,12 @@ __device__ UniformSegments uniform_segments(const int32_t* row, int64_t s, int c
   } else {
     previous = __ldg(row);
   }
-  // Only the last segment may end past the row: its times before the row's end.
-  const int64_t last_in_row = length - (s + int64_t{count - 1} * kSegment);
+  // Only the last ballot's packs may end past the row: its times before the row's end.
+  const int64_t last_in_row = length - (s + int64_t{ballots - 1} * kLanes * V);
   const int32_t* pack = row + s + lane * V;
-  uint32_t packs = 0;  // lane j: the ballot of segment j's packs
-  for (int j = 0; j < count; ++j, pack += kSegment) {
-    const bool exists = j + 1 < count || lane * V < last_in_row;
+  uint32_t packs = 0;  // lane j: ballot j, then segment j's bits of its ballot
+  for (int j = 0; j < ballots; ++j, pack += kLanes * V) {
+    const bool exists = j + 1 < ballots || lane * V < last_in_row;
     int32_t own[V];  // a pack past the row's end loads the row's first instead: it is not checked
     load_segments(exists ? pack : row, true, own);
     bool ok = pack_is_uniform(own);
@@ -673,9 +684,13 @@ __device__ UniformSegments uniform_segments(const int32_t* row, int64_t s, int c
     const uint32_t ballot = __ballot_sync(kFullWarp, ok || !exists);
     packs = lane == j ? ballot : packs;
   }
+  if constexpr (kPerBallot > 1) {
+    packs = __shfl_sync(kFullWarp, packs, lane / kPerBallot) >> (lane % kPerBallot * kWidth) &
+            kSegmentLanes;
+  }
   const uint32_t earlier = __shfl_up_sync(kFullWarp, packs, 1);
   const uint32_t later = __shfl_down_sync(kFullWarp, packs, 1);
-  const bool whole = lane < count && packs == kFullWarp;
+  const bool whole = lane < count && packs == kSegmentLanes;
   // Segment 0's first lane matched the P times before s already.
   const bool before = lane == 0 || (earlier & kLastLanes) == kLastLanes;
   const bool after = s + int64_t{lane + 1} * kSegment >= length ||
@@ -686,22 +701,23 @@ __device__ UniformSegments uniform_segments(const int32_t* row, int64_t s, int c
 // out[m] = the value at time s + (l + 1) V + m: from higher lanes of this segment (own) or, past
 // lane 31, from the first lanes of the next one (next). Every lane must call it. With P <= V (as
 // ChannelFirstCarry::advance before a pack) one shuffle per value: lane l + 1's, lane 0 sending
-// the next segment's first values to lane 31; the general form takes two and a select.
-template <int P, int V, typename U>
+// the next segment's first values to lane 31; the general form takes two and a select. kWidth
+// < 32: the same within each group of kWidth lanes, as in ChannelFirstCarry::advance.
+template <int P, int V, int kWidth = kLanes, typename U>
 __device__ __forceinline__ void halo_after(const U (&own)[V], const U (&next)[V], int lane,
                                            U (&out)[P]) {
   if constexpr (P <= V) {
     for (int m = 0; m < P; ++m) {
-      out[m] = __shfl_sync(kFullWarp, lane == 0 ? next[m] : own[m], (lane + 1) % kLanes);
+      out[m] = __shfl_sync(kFullWarp, lane == 0 ? next[m] : own[m], (lane + 1) % kWidth, kWidth);
     }
   } else {
 #pragma unroll
     for (int m = 0; m < P; ++m) {
       const int ahead = 1 + m / V;
-      const int source = (lane + ahead) % kLanes;
-      const U from_own = __shfl_sync(kFullWarp, own[m % V], source);
-      const U from_next = __shfl_sync(kFullWarp, next[m % V], source);
-      out[m] = lane + ahead < kLanes ? from_own : from_next;
+      const int source = (lane + ahead) % kWidth;
+      const U from_own = __shfl_sync(kFullWarp, own[m % V], source, kWidth);
+      const U from_next = __shfl_sync(kFullWarp, next[m % V], source, kWidth);
+      out[m] = lane + ahead < kWidth ? from_own : from_next;
     }
   }
 }
@@ -715,30 +731,40 @@ __device__ __forceinline__ void halo_after(const U (&own)[V], const U (&next)[V]
 enum class ItemKept { kNothing, kChannels, kRows };
 
 // Runs run(item, uniform) for this warp's channel-first items (a grid-stride loop over warps) of
-// rows cut as split says (channels_per_item<kMasked>() channels per item). With seq_idx the
-// channels of an item share one UniformSegments, found over its segments from c0 to
+// rows cut as split says (channels_per_item<kMasked, kWidth>() channels per item). With seq_idx
+// the channels of an item share one UniformSegments, found over its segments from c0 to
 // min(c1 + extra, L): the times it loads (the backward's dx also needs the P after its own).
-// Without seq_idx, all zero. kKept: see ItemKept.
-template <int V, int P, bool kMasked, ItemKept kKept = ItemKept::kNothing, typename Run>
+// Without seq_idx, all zero. kKept: see ItemKept. kWidth < 32: segments of kWidth packs (see
+// uniform_segments), and each group of kWidth lanes takes its own channel of the item at a time,
+// the groups consecutive ones; where the item has fewer left, the last again (the groups then
+// store the same values to the same places).
+template <int V, int P, bool kMasked, ItemKept kKept = ItemKept::kNothing, int kWidth = kLanes,
+          typename Run>
 __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
                                                             const ChannelFirstSplit& split,
                                                             int64_t extra, const Run& run) {
-  constexpr int64_t kSegment = kLanes * V;
-  constexpr int G = channels_per_item<kMasked>();
+  constexpr int64_t kSegment = kWidth * V;
+  constexpr int kGroups = kLanes / kWidth;
+  constexpr int G = channels_per_item<kMasked, kWidth>();
+  static_assert(kGroups == 1 || G > 1, "groups of lanes share an item's segments");
   const int lane = threadIdx.x % kLanes;
-  const int64_t items = channel_first_items<kMasked>(p, split.chunks.d);
+  const int64_t items = channel_first_items<kMasked, kWidth>(p, split.chunks.d);
   const int64_t warps_per_grid = int64_t{gridDim.x} * (blockDim.x / kLanes);
   for (int64_t i = blockIdx.x * int64_t{blockDim.x / kLanes} + threadIdx.x / kLanes;
        i < items; i += warps_per_grid) {
     const ChannelFirstItem first(i, split, p, G);
     if constexpr (G == 1) {
       run(first, UniformSegments{0, 0});
+    } else if constexpr (!kMasked) {
+      const int last = static_cast<int>(std::min<int64_t>(G, p.channels - first.d)) - 1;
+      run(first.channel(std::min(lane / kWidth, last)), UniformSegments{0, 0});
     } else {
       const int64_t end = std::min(first.c1 + extra, p.length);
       const int count = static_cast<int>(
           std::min<int64_t>(kUniformSegments, (end - first.c0 + kSegment - 1) / kSegment));
       const UniformSegments uniform =
-          uniform_segments<V, P>(p.seq_idx + first.b * p.length, first.c0, count, p.length, lane);
+          uniform_segments<V, P, kWidth>(p.seq_idx + first.b * p.length, first.c0, count,
+                                         p.length, lane);
       int channels = static_cast<int>(std::min<int64_t>(G, p.channels - first.d));
       ChannelFirstItem item = first;
       if constexpr (kKept == ItemKept::kRows) {
@@ -746,7 +772,14 @@ __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
       } else if constexpr (kKept == ItemKept::kChannels) {
         asm("" : "+r"(channels));
       }
-      for (int g = 0; g < channels; ++g) run(item.channel(g), uniform);
+      if constexpr (kGroups == 1) {
+        for (int g = 0; g < channels; ++g) run(item.channel(g), uniform);
+      } else {
+        const int group = lane / kWidth;
+        for (int g = 0; g < channels; g += kGroups) {
+          run(item.channel(std::min(g + group, channels - 1)), uniform);
+        }
+      }
     }
   }
 }
@@ -889,14 +922,14 @@ constexpr int64_t kItemOverheadSegments = 2;
 // Cuts past this many waves of items only add overheads.
 constexpr int64_t kMaxItemWaves = 16;
 
-// Times per warp item for channel-first kernels, a multiple of segment (32 V times). Rows (each
-// row_items warp items) are cut into the number of pieces, of at most max_segments segments each,
-// whose waves of resident_warps x (piece segments + kItemOverheadSegments) cost least; whole rows
-// where the runtime cannot say how many warps fit (resident_warps 0). For each count of waves the
-// cheapest cut is the one with the most pieces that still fit in it, so only those are compared.
-// Aiming at a fixed 32768 (forward) and 16384 (backward) items cut B=8 L=2048 D=256's rows into
-// one-segment pieces: 11.6 and 30.7 us against 6.3 and 13.1 for this choice's 2 pieces and whole
-// rows.
+// Times per warp item for channel-first kernels, a multiple of segment (32 V times, or the kernel's
+// width of packs). Rows (each row_items warp items) are cut into the number of pieces, of at most
+// max_segments segments each, whose waves of resident_warps x (piece segments +
+// kItemOverheadSegments) cost least; whole rows where the runtime cannot say how many warps fit
+// (resident_warps 0). For each count of waves the cheapest cut is the one with the most pieces that
+// still fit in it, so only those are compared. Aiming at a fixed 32768 (forward) and 16384
+// (backward) items cut B=8 L=2048 D=256's rows into one-segment pieces: 11.6 and 30.7 us against
+// 6.3 and 13.1 for this choice's 2 pieces and whole rows.
 inline int64_t channel_first_chunk(int64_t row_items, int64_t length, int64_t segment,
                                    int64_t resident_warps, int64_t max_segments) {
   const int64_t segments = (length + segment - 1) / segment;

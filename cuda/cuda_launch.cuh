@@ -75,12 +75,12 @@ int64_t short_row_blocks(const ConvParams& p, int group) {
 }
 
 // channel_first_chunk for kKernel's launch: its warp items of one chunk per row, and the warps the
-// device holds of it.
-template <auto kKernel, typename T, bool kMasked>
+// device holds of it; segments of kWidth packs.
+template <auto kKernel, typename T, bool kMasked, int kWidth = kLanes>
 int64_t channel_first_chunk_for(const ConvParams& p, int64_t max_segments) {
   const int64_t resident_warps = resident_threads<kKernel>(kChannelFirstThreads) / kLanes;
-  return channel_first_chunk(channel_first_items<kMasked>(p, 1), p.length, kLanes * kPack<T>,
-                             resident_warps, max_segments);
+  return channel_first_chunk(channel_first_items<kMasked, kWidth>(p, 1), p.length,
+                             int64_t{kWidth} * kPack<T>, resident_warps, max_segments);
 }
 
 }  // namespace causal_conv

@@ -93,8 +93,8 @@ bool launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
     return false;
   }
   constexpr auto kernel = forward_channel_first_kernel<T, K, kMasked>;
-  const int64_t chunk_len =
-      channel_first_chunk_for<kernel, T, kMasked>(p, forward_item_segments<kMasked>());
+  const int64_t chunk_len = channel_first_chunk_for<kernel, T, kMasked>(
+      p, channel_first_forward_item_segments<T, K, kMasked>());
   const ChannelFirstSplit split(p, chunk_len, channels_per_item<kMasked>());
   const int64_t items = channel_first_items<kMasked>(p, split.chunks.d);
   kernel<<<grid_for_warps(items), kChannelFirstThreads, 0, stream>>>(p, split);

@@ -295,9 +295,38 @@ constexpr ItemKept channel_first_forward_kept() {
   return K == 2 || K == 4 ? ItemKept::kRows : ItemKept::kChannels;
 }
 
+// Whether the channel-first forward's warps take two rows at once, one in each half of 16 lanes,
+// in segments of 16 V times: with seq_idx, for 16-bit T. A sequence boundary then makes the
+// segments of 16 V times around it masked instead of those of 32 V, at the same instructions a
+// warp's segment (bf16 K = 4: 124 uniform, 187 masked): at four sequences a row of 2048 at three
+// random cuts (bench.py's features case) 2.7 of a row's 8 segments of 256 times were masked, in
+// halves 2.9 of its 16 of 128, which the warp takes two rows at a time (1.45 a row's 8 warp
+// segments). uniform_segments then checks packs of V / 2 entries, twice the segments at 19
+// instructions each instead of 24, once per item of kUniformChannels rows; an item takes two runs
+// (weights, carry, first loads, tail) instead of four. f32 (V = 4) would need packs of 2 entries
+// there (load_segments reads fours). On the H200 (twentieth session, packed BDL fwd, us) the
+// halves took K = 6 100.7 -> 94.6 and K = 8 110.0 -> 100.8, but K = 2 83.8 -> 84.9 and K = 4
+// 83.8 -> 86.7 (f16 83.2 -> 86.3; 16-bit K = 4 also lost its kept rows, which spilled): where a
+// uniform segment is cheap, a run's fixed cost and the masked share weigh less than the halves'
+// extra shuffles and twice the uniform_segments checks. So K >= 6 only.
+template <typename T, int K, bool kMasked>
+constexpr bool channel_first_forward_halves() {
+  return kMasked && sizeof(T) == 2 && K >= 6;
+}
+
+// The most segments of 32 V times per channel-first forward item: as many as uniform_segments'
+// masks cover (half as many of 32 V times with halves).
+template <typename T, int K, bool kMasked>
+constexpr int64_t channel_first_forward_item_segments() {
+  return channel_first_forward_halves<T, K, kMasked>() ? kUniformSegments / 2
+                                                       : forward_item_segments<kMasked>();
+}
+
 // (B, D, L), L a multiple of the pack V: a warp streams chunk_len times of one (b, d) row, lane l
-// owning V consecutive times of each 32 V-time segment; the K-1 inputs before a lane's pack come
-// from its lower neighbours by shuffle. The next kForwardAhead segments' packs are in flight.
+// owning V consecutive times of each 32 V-time segment (with channel_first_forward_halves, of two
+// rows, each half of the warp one row's segments of 16 V times); the K-1 inputs before a lane's
+// pack come from its lower neighbours by shuffle. The next kForwardAhead segments' packs are in
+// flight.
 //
 // With seq_idx (items of at most kUniformSegments segments and of kUniformChannels channels, whose
 // uniform segments the warp finds once), the uniform segments run the unmasked arithmetic; the
@@ -311,16 +340,23 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
     forward_channel_first_kernel(ConvParams p, ChannelFirstSplit split) {
   constexpr int V = kPack<T>;
   constexpr int P = K - 1;
-  constexpr int64_t kSegment = kLanes * V;
+  constexpr bool kHalves = channel_first_forward_halves<T, K, kMasked>();
+  constexpr int kWidth = kHalves ? kLanes / 2 : kLanes;  // lanes a row's segment takes
+  constexpr int64_t kSegment = kWidth * V;
   constexpr int kTurn = channel_first_forward_turn<T, K, kMasked>();
   constexpr bool kFinalState = channel_first_forward_final_state<T, K, kMasked>();
-  const int lane = threadIdx.x % kLanes;
+  const int lane = threadIdx.x % kWidth;
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
-  // The item's channel `item` (times [c0, c1)); bit j of masks.before (then of uniform): whether
-  // the item's segment j is uniform (none past the first kUniformSegments). silu: p.silu, or
-  // without seq_idx std::true_type or std::false_type.
-  const auto run = [&](const ChannelFirstItem& item, UniformSegments masks, auto silu) {
+  // The item's channel `pair` (times [c0, c1)), with kHalves in the warp's lower half and channel
+  // pair.d + 1 in its upper half; where that is past the item's channels, the upper half repeats
+  // the lower half's row, storing the same values at the same addresses (a test of each store
+  // instead spilled 8 bytes at bf16 K = 4, when that had halves). Bit j of
+  // masks.before (then of uniform): whether the item's segment j is uniform (none past the first
+  // kUniformSegments). silu: p.silu, or without seq_idx std::true_type or std::false_type.
+  const auto run = [&](const ChannelFirstItem& pair, UniformSegments masks, auto silu) {
+    const bool upper = kHalves && threadIdx.x % kLanes >= kWidth;
+    const ChannelFirstItem item = pair.channel(upper && pair.d + 1 < p.channels ? 1 : 0);
     // One element offset serves x and y: the lane's pack at time 0 of the row (their base pointers
     // stay in the constant bank); the lane's pack of segment s is the item's while s < lane_end.
     const int64_t lane_at = item.row * p.length + lane * V;
@@ -361,7 +397,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
         slot = __ldg(reinterpret_cast<const RawFor<T, V>*>(x + lane_at + s_ahead));
       }
       float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}, t0 = s + lane V
-      carry.advance(own, lane, xs);
+      carry.template advance<V, kWidth>(own, lane, xs);
       float out[V];
       // With seq_idx, out narrowed, its padding zeroed: a raw word (a Vec of 16-bit values took
       // PRMTs to cross the branches).
@@ -399,11 +435,15 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
       if (s + a * kSegment < item.c1) segment(s + a * kSegment, ahead[a], std::false_type{});
     }
   };
+  // With kHalves the masks are those of segments of kWidth lanes (packs of V / 2 entries across
+  // the warp's 32 lanes), and the item's odd channels run with the even ones before them (items
+  // start at multiples of kUniformChannels, so item.d has the parity of the channel's index).
   const auto run_items = [&](auto silu) {
-    for_each_channel_first_item<V, P, kMasked, kMasked ? channel_first_forward_kept<T, K>()
-                                                       : ItemKept::kNothing>(
-        p, split, 0,
-        [&](const ChannelFirstItem& item, UniformSegments masks) { run(item, masks, silu); });
+    for_each_channel_first_item<kHalves ? V / 2 : V, P, kMasked,
+                                kMasked ? channel_first_forward_kept<T, K>() : ItemKept::kNothing>(
+        p, split, 0, [&](const ChannelFirstItem& item, UniformSegments masks) {
+          if (!kHalves || item.d % 2 == 0) run(item, masks, silu);
+        });
   };
   if constexpr (kMasked) {
     // Chosen once, the activation saved one instruction of a uniform segment's 146 at bf16 K = 4
