@@ -249,6 +249,11 @@ def segment_len(dtype) -> int:
     return 32 * 16 // jnp.dtype(dtype).itemsize
 
 
+def cf_row_length(dtype) -> int:
+    """6 segments and 2 packs: a last segment of two packs."""
+    return 6 * segment_len(dtype) + 2 * 16 // jnp.dtype(dtype).itemsize
+
+
 def cf_seq_idx(length: int, segment: int, width: int) -> np.ndarray:
     """Rows of seq_idx around the channel-first segments: one id everywhere (every segment
     uniform); boundaries inside a segment, at a segment start, within the first K-1 times after
@@ -294,9 +299,8 @@ def check_cf_seq_idx(dev, dtype, width, state, channels, boundaries=None):
     """cf_seq_idx's rows, 6 segments and 2 packs long, against the reference; with boundaries, the
     rows' boundaries around segments of that many times instead."""
     rng = np.random.default_rng(width)
-    segment = segment_len(dtype)
-    length = 6 * segment + 2 * 16 // jnp.dtype(dtype).itemsize  # a last segment of two packs
-    seq = cf_seq_idx(length, boundaries or segment, width)
+    length = cf_row_length(dtype)
+    seq = cf_seq_idx(length, boundaries or segment_len(dtype), width)
     args, seq_idx = inputs(rng, dtype, batch=len(seq), length=length, channels=channels,
                            width=width, layout="BDL", state=state, seq_idx=seq)
     grads, _ = compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL",
@@ -351,11 +355,11 @@ def test_channel_first_seq_idx_items(dev, dtype, width):
 
 
 # With seq_idx the channel-first kernels take two channels a warp, a half-warp each, over segments
-# of 16 packs (the backward at every dtype, the forward at 16 bits and K >= 6), whose uniform_segments masks
-# come two to a ballot of 32 packs: boundaries and padding around those segments (the odd ones
-# start in the middle of a 32-pack one), in single-segment items (3 channels) and in whole rows
-# (1023: items of 4 channels and a last one of 3, whose second pair runs one channel in both
-# halves), with an initial state and the final state's cotangent.
+# of 16 packs (the backward at every dtype, the forward at 16 bits and K >= 6), whose
+# uniform_segments masks come two to a ballot of 32 packs: boundaries and padding around those
+# segments (the odd ones start in the middle of a 32-pack one), in single-segment items (3
+# channels) and in whole rows (1023: items of 4 channels and a last one of 3, whose second pair
+# runs one channel in both halves), with an initial state and the final state's cotangent.
 @pytest.mark.parametrize("channels", [3, 1023])
 @pytest.mark.parametrize("width", range(2, 9))
 @pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
@@ -375,9 +379,8 @@ def test_channel_first_seq_idx_half_segments(dev, dtype, width, channels):
 @pytest.mark.parametrize("dev", GPU)
 def test_channel_first_half_segments(dev, dtype, width, channels):
     rng = np.random.default_rng(width)
-    length = 6 * segment_len(dtype) + 2 * 16 // jnp.dtype(dtype).itemsize
-    args, _ = inputs(rng, dtype, batch=6, length=length, channels=channels, width=width,
-                     layout="BDL", state=True)
+    args, _ = inputs(rng, dtype, batch=6, length=cf_row_length(dtype), channels=channels,
+                     width=width, layout="BDL", state=True)
     compare(dev, rng, args, None, dtype, activation="silu", layout="BDL", final="random")
 
 
