@@ -37,9 +37,9 @@ constexpr int forward_channel_last_min_blocks() {
 // tests.
 //
 // The K-1 halo rows before a piece are the last rows of the piece before it in time, which a
-// thread started alongside streams about a piece's time later (some 24 us on the main workload,
-// about 90 MB of DRAM traffic through a 50 MB L2): so each halo row is read from DRAM twice
-// where the L2 has not kept it, 3 of every 59 rows a thread reads at 56-step pieces. With
+// thread started alongside streams about a piece's time later (some 18 us on the main workload,
+// about 70 MB of DRAM traffic through a 50 MB L2): so each halo row is read from DRAM twice
+// where the L2 has not kept it, 3 of every 39 rows a thread reads at 36-step pieces. With
 // `alternate` (set by the launch where a warp's threads share one piece of time, see
 // launch_vector_forward) the odd pieces of time run down instead, from their last row to the
 // first of their halo: an odd piece then reads its halo at the end of its stream, when the even
