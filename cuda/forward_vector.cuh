@@ -314,6 +314,27 @@ constexpr bool channel_first_forward_halves() {
   return kMasked && sizeof(T) == 2 && K >= 6;
 }
 
+// Lanes a row's segment takes in the channel-first forward: 16 with the halves above and in the
+// unmasked 16-bit kernels, whose items are two channels, one per half, of the same times (the
+// last item's two the same channel where D is odd: both halves then store the same values), as in
+// the unmasked 16-bit backward (channel_first_backward_width). A warp's segment of 16 packs costs
+// what one of 32 did, while a run's start (weights, carry, first loads: about 230 instructions at
+// bf16 K = 4, 300 at K = 8, against 113 and 178 a segment) is paid once per two rows where the
+// launch keeps rows whole: a row of 2048 times at bf16 K = 4 then issues about 1015 instead of
+// 1130.
+template <typename T, int K, bool kMasked>
+constexpr int channel_first_forward_width() {
+  return channel_first_forward_halves<T, K, kMasked>() || (!kMasked && sizeof(T) == 2) ? kLanes / 2
+                                                                                       : kLanes;
+}
+
+// Lanes per channel of the channel-first forward's items (for_each_channel_first_item's and the
+// launch's): the masked halves pair an item's channels themselves (see the kernel).
+template <typename T, int K, bool kMasked>
+constexpr int channel_first_forward_item_width() {
+  return kMasked ? kLanes : channel_first_forward_width<T, K, kMasked>();
+}
+
 // The most segments of 32 V times per channel-first forward item: as many as uniform_segments'
 // masks cover (half as many of 32 V times with halves).
 template <typename T, int K, bool kMasked>
@@ -341,7 +362,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
   constexpr int V = kPack<T>;
   constexpr int P = K - 1;
   constexpr bool kHalves = channel_first_forward_halves<T, K, kMasked>();
-  constexpr int kWidth = kHalves ? kLanes / 2 : kLanes;  // lanes a row's segment takes
+  constexpr int kWidth = channel_first_forward_width<T, K, kMasked>();
   constexpr int64_t kSegment = kWidth * V;
   constexpr int kTurn = channel_first_forward_turn<T, K, kMasked>();
   constexpr bool kFinalState = channel_first_forward_final_state<T, K, kMasked>();
@@ -440,7 +461,8 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
   // start at multiples of kUniformChannels, so item.d has the parity of the channel's index).
   const auto run_items = [&](auto silu) {
     for_each_channel_first_item<kHalves ? V / 2 : V, P, kMasked,
-                                kMasked ? channel_first_forward_kept<T, K>() : ItemKept::kNothing>(
+                                kMasked ? channel_first_forward_kept<T, K>() : ItemKept::kNothing,
+                                channel_first_forward_item_width<T, K, kMasked>()>(
         p, split, 0, [&](const ChannelFirstItem& item, UniformSegments masks) {
           if (!kHalves || item.d % 2 == 0) run(item, masks, silu);
         });
