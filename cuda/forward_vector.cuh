@@ -315,17 +315,20 @@ constexpr bool channel_first_forward_halves() {
 }
 
 // Lanes a row's segment takes in the channel-first forward: 16 with the halves above and in the
-// unmasked 16-bit kernels, whose items are two channels, one per half, of the same times (the
-// last item's two the same channel where D is odd: both halves then store the same values), as in
-// the unmasked 16-bit backward (channel_first_backward_width). A warp's segment of 16 packs costs
-// what one of 32 did, while a run's start (weights, carry, first loads: about 230 instructions at
-// bf16 K = 4, 300 at K = 8, against 113 and 178 a segment) is paid once per two rows where the
-// launch keeps rows whole: a row of 2048 times at bf16 K = 4 then issues about 1015 instead of
-// 1130.
+// unmasked 16-bit kernels at K >= 7, whose items are two channels, one per half, of the same
+// times (the last item's two the same channel where D is odd: both halves then store the same
+// values), as in the unmasked 16-bit backward (channel_first_backward_width). A warp's segment of
+// 16 packs costs what one of 32 did (SASS, bf16 K = 8: 178 instructions), while a run's start
+// (weights, carry, first loads: about 300 at K = 8) is paid once per two rows where the launch
+// keeps rows whole: at B=8 L=2048 D=4096 it does from K = 7 (8 blocks per SM, 3.9 waves of
+// items; bf16 K = 8: about 1570 instructions a row instead of 1710). At K <= 6 (9-10 blocks) it
+// would cut the rows in halves there (6.9 waves of half-row pairs against 3.45 of whole-row ones),
+// as many runs as with one channel a warp, and the segment took up to 2% more instructions (bf16
+// K = 4: 345 a turn of three against 338).
 template <typename T, int K, bool kMasked>
 constexpr int channel_first_forward_width() {
-  return channel_first_forward_halves<T, K, kMasked>() || (!kMasked && sizeof(T) == 2) ? kLanes / 2
-                                                                                       : kLanes;
+  const bool plain_halves = !kMasked && sizeof(T) == 2 && K >= 7;
+  return channel_first_forward_halves<T, K, kMasked>() || plain_halves ? kLanes / 2 : kLanes;
 }
 
 // Lanes per channel of the channel-first forward's items (for_each_channel_first_item's and the
