@@ -347,7 +347,7 @@ constexpr int64_t channel_first_forward_item_segments() {
 }
 
 // (B, D, L), L a multiple of the pack V: a warp streams chunk_len times of one (b, d) row, lane l
-// owning V consecutive times of each 32 V-time segment (with channel_first_forward_halves, of two
+// owning V consecutive times of each 32 V-time segment (with channel_first_forward_width 16, of two
 // rows, each half of the warp one row's segments of 16 V times); the K-1 inputs before a lane's
 // pack come from its lower neighbours by shuffle. The next kForwardAhead segments' packs are in
 // flight.
@@ -372,12 +372,13 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
   const int lane = threadIdx.x % kWidth;
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
-  // The item's channel `pair` (times [c0, c1)), with kHalves in the warp's lower half and channel
-  // pair.d + 1 in its upper half; where that is past the item's channels, the upper half repeats
-  // the lower half's row, storing the same values at the same addresses (a test of each store
-  // instead spilled 8 bytes at bf16 K = 4, when that had halves). Bit j of
-  // masks.before (then of uniform): whether the item's segment j is uniform (none past the first
-  // kUniformSegments). silu: p.silu, or without seq_idx std::true_type or std::false_type.
+  // The item's channel `pair` (times [c0, c1)): without seq_idx the half's own at width 16 (see
+  // for_each_channel_first_item); with kHalves in the warp's lower half and channel pair.d + 1 in
+  // its upper half, where that is past the item's channels, the upper half repeats the lower
+  // half's row, storing the same values at the same addresses (a test of each store instead
+  // spilled 8 bytes at bf16 K = 4, when that had halves). Bit j of masks.before (then of
+  // uniform): whether the item's segment j is uniform (none past the first kUniformSegments).
+  // silu: p.silu, or without seq_idx std::true_type or std::false_type.
   const auto run = [&](const ChannelFirstItem& pair, UniformSegments masks, auto silu) {
     const bool upper = kHalves && threadIdx.x % kLanes >= kWidth;
     const ChannelFirstItem item = pair.channel(upper && pair.d + 1 < p.channels ? 1 : 0);
