@@ -103,10 +103,11 @@ bool launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
     return false;
   }
   constexpr auto kernel = forward_channel_first_kernel<T, K, kMasked>;
-  const int64_t chunk_len = channel_first_chunk_for<kernel, T, kMasked>(
+  constexpr int kItemWidth = channel_first_forward_item_width<T, K, kMasked>();
+  const int64_t chunk_len = channel_first_chunk_for<kernel, T, kMasked, kItemWidth>(
       p, channel_first_forward_item_segments<T, K, kMasked>());
-  const ChannelFirstSplit split(p, chunk_len, channels_per_item<kMasked>());
-  const int64_t items = channel_first_items<kMasked>(p, split.chunks.d);
+  const ChannelFirstSplit split(p, chunk_len, channels_per_item<kMasked, kItemWidth>());
+  const int64_t items = channel_first_items<kMasked, kItemWidth>(p, split.chunks.d);
   kernel<<<grid_for_warps(items), kChannelFirstThreads, 0, stream>>>(p, split);
   return channel_first_forward_final_state<T, K, kMasked>();
 }
