@@ -55,9 +55,10 @@ __global__ void final_state_kernel(ConvParams p) {
 // steps, 3.88 waves, 71.3-71.5), though their halos were then read from DRAM again (the downward
 // pieces of forward_channel_last_kernel now find them in the L2). The reading: a piece's rows
 // stream at the pace of its SM's share of the bandwidth, so the grid's end waits on pieces
-// started up to a piece's time apart, less of it the shorter they are. The main workload at 7 blocks per SM: 36
-// steps, 3.95 waves (48 steps, 2.98 waves, before). With seq_idx (masked) from 48 to 64 instead:
-// that kernel checks its steps 32 at a time (SegmentSteps), two checks a piece either way.
+// started up to a piece's time apart, less of it the shorter they are. The main workload runs 7
+// blocks per SM: 36 steps, 3.95 waves, against 48 steps, 2.98 waves, before (H200, kernel us,
+// two rounds: 70.85 / 70.72 -> 69.76 / 69.90). With seq_idx (masked) from 48 to 64 instead: that
+// kernel checks its steps 32 at a time (SegmentSteps), two checks a piece either way.
 inline int64_t forward_time_chunk(int64_t columns, int64_t length, int64_t resident, int64_t halo,
                                   bool masked) {
   constexpr int64_t kLongest = 64, kShortest = 8, kMinThreads = 32768;
