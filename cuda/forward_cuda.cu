@@ -45,15 +45,24 @@ __global__ void final_state_kernel(ConvParams p) {
   }
 }
 
-// Time steps per channel-last forward thread: 64 (fewer prologues: weights, halo rows, the ring's
-// first wait; 64 against 32 took the main workload from 104 to 85 us; pieces sized to one wave,
-// 171 steps, were slower: 90.6 against 82.6 us), halved down to 8 while that leaves fewer than
-// 32768 threads (B=8 L=2048 D=256, 512 columns: 32-step pieces 7.5 us, 16-step 7.8, 8-step 10.8).
-// Where 64 stays, the length from 48 to 64 with the fewest whole waves of `resident` threads x
-// (steps + halo): the main workload's 64-step pieces make 2.59 waves, its last 60% full, and
-// 56-step ones 2.99 (73.2 -> 72.3 us, kernel time).
-inline int64_t forward_time_chunk(int64_t columns, int64_t length, int64_t resident, int64_t halo) {
-  constexpr int64_t kLongest = 64, kShortest = 8, kFitFrom = 48, kMinThreads = 32768;
+// Time steps per channel-last forward thread: 64 while that leaves at least 32768 threads (64
+// against 32 took the main workload from 104 to 85 us when each halo row came from DRAM twice;
+// pieces sized to one wave, 171 steps, were slower: 90.6 against 82.6 us), else halved down to 8
+// while that leaves fewer (B=8 L=2048 D=256, 512 columns: 32-step pieces 7.5 us, 16-step 7.8,
+// 8-step 10.8). Where 64 stays, the length from 32 to 40 with the fewest whole waves of
+// `resident` threads x (steps + halo): fitted waves of shorter pieces won at 8 blocks per SM
+// (main workload, kernel us: 64 steps, 1.94 waves, 72.2-72.7; 48 steps, 2.6 waves, 71.8-72.0; 32
+// steps, 3.88 waves, 71.3-71.5), though their halos were then read from DRAM again (the downward
+// pieces of forward_channel_last_kernel now find them in the L2). The reading: a piece's rows
+// stream at the pace of its SM's share of the bandwidth, so the grid's end waits on pieces
+// started up to a piece's time apart, less of it the shorter they are. The main workload runs 7
+// blocks per SM: 36 steps, 3.95 waves, against 48 steps, 2.98 waves, before (H200, kernel us,
+// two rounds: 70.85 / 70.72 -> 69.76 / 69.90). With seq_idx (masked) from 48 to 64 instead: that
+// kernel checks its steps 32 at a time (SegmentSteps), two checks a piece either way.
+inline int64_t forward_time_chunk(int64_t columns, int64_t length, int64_t resident, int64_t halo,
+                                  bool masked) {
+  constexpr int64_t kLongest = 64, kShortest = 8, kMinThreads = 32768;
+  const int64_t fit_from = masked ? 48 : 32, fit_to = masked ? kLongest : 40;
   const auto threads_for = [&](int64_t chunk) { return columns * ((length + chunk - 1) / chunk); };
   int64_t chunk = kLongest;
   while (chunk > kShortest && threads_for(chunk) < kMinThreads) chunk /= 2;
@@ -61,7 +70,8 @@ inline int64_t forward_time_chunk(int64_t columns, int64_t length, int64_t resid
   const auto cost = [&](int64_t steps) {
     return waves_cost(threads_for(steps), resident, steps, halo);
   };
-  for (int64_t steps = kFitFrom; steps < kLongest; ++steps) {
+  chunk = fit_to;
+  for (int64_t steps = fit_from; steps < fit_to; ++steps) {
     if (cost(steps) < cost(chunk)) chunk = steps;
   }
   return chunk;
@@ -76,7 +86,8 @@ bool launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
     constexpr auto kernel = forward_channel_last_kernel<T, K, kMasked>;
     const int64_t columns = p.batch * (p.channels / C);
     const int64_t time_chunk = forward_time_chunk(columns, p.length,
-                                                  resident_threads<kernel>(kForwardThreads), K - 1);
+                                                  resident_threads<kernel>(kForwardThreads), K - 1,
+                                                  kMasked);
     const int64_t threads = columns * ((p.length + time_chunk - 1) / time_chunk);
     const int64_t blocks =
         std::min(kMaxGridBlocks, (threads + kForwardThreads - 1) / kForwardThreads);
@@ -93,10 +104,11 @@ bool launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
     return false;
   }
   constexpr auto kernel = forward_channel_first_kernel<T, K, kMasked>;
-  const int64_t chunk_len = channel_first_chunk_for<kernel, T, kMasked>(
+  constexpr int kItemWidth = channel_first_forward_item_width<T, K, kMasked>();
+  const int64_t chunk_len = channel_first_chunk_for<kernel, T, kMasked, kItemWidth>(
       p, channel_first_forward_item_segments<T, K, kMasked>());
-  const ChannelFirstSplit split(p, chunk_len, channels_per_item<kMasked>());
-  const int64_t items = channel_first_items<kMasked>(p, split.chunks.d);
+  const ChannelFirstSplit split(p, chunk_len, channels_per_item<kMasked, kItemWidth>());
+  const int64_t items = channel_first_items<kMasked, kItemWidth>(p, split.chunks.d);
   kernel<<<grid_for_warps(items), kChannelFirstThreads, 0, stream>>>(p, split);
   return channel_first_forward_final_state<T, K, kMasked>();
 }

@@ -37,9 +37,9 @@ constexpr int forward_channel_last_min_blocks() {
 // tests.
 //
 // The K-1 halo rows before a piece are the last rows of the piece before it in time, which a
-// thread started alongside streams about a piece's time later (some 24 us on the main workload,
-// about 90 MB of DRAM traffic through a 50 MB L2): so each halo row is read from DRAM twice
-// where the L2 has not kept it, 3 of every 59 rows a thread reads at 56-step pieces. With
+// thread started alongside streams about a piece's time later (some 18 us on the main workload,
+// about 70 MB of DRAM traffic through a 50 MB L2): so each halo row is read from DRAM twice
+// where the L2 has not kept it, 3 of every 39 rows a thread reads at 36-step pieces. With
 // `alternate` (set by the launch where a warp's threads share one piece of time, see
 // launch_vector_forward) the odd pieces of time run down instead, from their last row to the
 // first of their halo: an odd piece then reads its halo at the end of its stream, when the even
@@ -314,6 +314,32 @@ constexpr bool channel_first_forward_halves() {
   return kMasked && sizeof(T) == 2 && K >= 6;
 }
 
+// Lanes a row's segment takes in the channel-first forward: 16 with the halves above and in the
+// unmasked 16-bit kernels at K >= 7, whose items are two channels, one per half, of the same
+// times (the last item's two the same channel where D is odd: both halves then store the same
+// values), as in the unmasked 16-bit backward (channel_first_backward_width). A warp's segment of
+// 16 packs costs what one of 32 did (SASS, bf16 K = 8: 178 instructions), while a run's start
+// (weights, carry, first loads: about 300 at K = 8) is paid once per two rows where the launch
+// keeps rows whole: at B=8 L=2048 D=4096 it does from K = 7 (8 blocks per SM, 3.9 waves of
+// items; bf16 K = 8: about 1570 instructions a row instead of 1710). At K <= 6 (9-10 blocks) it
+// would cut the rows in halves there (6.9 waves of half-row pairs against 3.45 of whole-row ones),
+// as many runs as with one channel a warp, and the segment took up to 2% more instructions (bf16
+// K = 4: 345 a turn of three against 338). H200, kernel us: bf16 K = 8 80.8 -> 78.9, K = 7 74.4 ->
+// 72.3, f16 K = 8 81.9 -> 79.6; at every K with whole rows kept at K = 4 by the launch, bf16 K = 4
+// lost (68.6 -> 71.4), and B=1 L=65536 too (269 -> 300).
+template <typename T, int K, bool kMasked>
+constexpr int channel_first_forward_width() {
+  const bool plain_halves = !kMasked && sizeof(T) == 2 && K >= 7;
+  return channel_first_forward_halves<T, K, kMasked>() || plain_halves ? kLanes / 2 : kLanes;
+}
+
+// Lanes per channel of the channel-first forward's items (for_each_channel_first_item's and the
+// launch's): the masked halves pair an item's channels themselves (see the kernel).
+template <typename T, int K, bool kMasked>
+constexpr int channel_first_forward_item_width() {
+  return kMasked ? kLanes : channel_first_forward_width<T, K, kMasked>();
+}
+
 // The most segments of 32 V times per channel-first forward item: as many as uniform_segments'
 // masks cover (half as many of 32 V times with halves).
 template <typename T, int K, bool kMasked>
@@ -323,7 +349,7 @@ constexpr int64_t channel_first_forward_item_segments() {
 }
 
 // (B, D, L), L a multiple of the pack V: a warp streams chunk_len times of one (b, d) row, lane l
-// owning V consecutive times of each 32 V-time segment (with channel_first_forward_halves, of two
+// owning V consecutive times of each 32 V-time segment (with channel_first_forward_width 16, of two
 // rows, each half of the warp one row's segments of 16 V times); the K-1 inputs before a lane's
 // pack come from its lower neighbours by shuffle. The next kForwardAhead segments' packs are in
 // flight.
@@ -341,19 +367,20 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
   constexpr int V = kPack<T>;
   constexpr int P = K - 1;
   constexpr bool kHalves = channel_first_forward_halves<T, K, kMasked>();
-  constexpr int kWidth = kHalves ? kLanes / 2 : kLanes;  // lanes a row's segment takes
+  constexpr int kWidth = channel_first_forward_width<T, K, kMasked>();
   constexpr int64_t kSegment = kWidth * V;
   constexpr int kTurn = channel_first_forward_turn<T, K, kMasked>();
   constexpr bool kFinalState = channel_first_forward_final_state<T, K, kMasked>();
   const int lane = threadIdx.x % kWidth;
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
-  // The item's channel `pair` (times [c0, c1)), with kHalves in the warp's lower half and channel
-  // pair.d + 1 in its upper half; where that is past the item's channels, the upper half repeats
-  // the lower half's row, storing the same values at the same addresses (a test of each store
-  // instead spilled 8 bytes at bf16 K = 4, when that had halves). Bit j of
-  // masks.before (then of uniform): whether the item's segment j is uniform (none past the first
-  // kUniformSegments). silu: p.silu, or without seq_idx std::true_type or std::false_type.
+  // The item's channel `pair` (times [c0, c1)): without seq_idx the half's own at width 16 (see
+  // for_each_channel_first_item); with kHalves in the warp's lower half and channel pair.d + 1 in
+  // its upper half, where that is past the item's channels, the upper half repeats the lower
+  // half's row, storing the same values at the same addresses (a test of each store instead
+  // spilled 8 bytes at bf16 K = 4, when that had halves). Bit j of masks.before (then of
+  // uniform): whether the item's segment j is uniform (none past the first kUniformSegments).
+  // silu: p.silu, or without seq_idx std::true_type or std::false_type.
   const auto run = [&](const ChannelFirstItem& pair, UniformSegments masks, auto silu) {
     const bool upper = kHalves && threadIdx.x % kLanes >= kWidth;
     const ChannelFirstItem item = pair.channel(upper && pair.d + 1 < p.channels ? 1 : 0);
@@ -440,7 +467,8 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
   // start at multiples of kUniformChannels, so item.d has the parity of the channel's index).
   const auto run_items = [&](auto silu) {
     for_each_channel_first_item<kHalves ? V / 2 : V, P, kMasked,
-                                kMasked ? channel_first_forward_kept<T, K>() : ItemKept::kNothing>(
+                                kMasked ? channel_first_forward_kept<T, K>() : ItemKept::kNothing,
+                                channel_first_forward_item_width<T, K, kMasked>()>(
         p, split, 0, [&](const ChannelFirstItem& item, UniformSegments masks) {
           if (!kHalves || item.d % 2 == 0) run(item, masks, silu);
         });

@@ -369,10 +369,11 @@ def test_channel_first_seq_idx_half_segments(dev, dtype, width, channels):
                      boundaries=segment_len(dtype) // 2)
 
 
-# Without seq_idx too the 16-bit backward takes two channels a warp, a half-warp each, over
-# segments of 16 packs: odd channel counts (the last item runs its one channel on both halves), in
-# single-segment items (3 channels) and in items of several segments (1023), rows of 12 segments
-# and 2 packs, with an initial state and the final state's cotangent (float32: one channel a warp).
+# Without seq_idx too the 16-bit backward, and the 16-bit forward at K >= 7 (compare checks y),
+# take two channels a warp, a half-warp each, over segments of 16 packs: odd channel counts (the
+# last item runs its one channel on both halves), in single-segment items (3 channels) and in items
+# of several segments (1023), rows of 12 segments and 2 packs, with an initial state and the final
+# state's cotangent (float32: one channel a warp).
 @pytest.mark.parametrize("channels", [3, 1023])
 @pytest.mark.parametrize("width", range(2, 9))
 @pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
