@@ -747,6 +747,7 @@ __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
   constexpr int kGroups = kLanes / kWidth;
   constexpr int G = channels_per_item<kMasked, kWidth>();
   static_assert(kGroups == 1 || G > 1, "groups of lanes share an item's segments");
+  static_assert(kMasked || G == kGroups, "without seq_idx an item is one channel a group");
   const int lane = threadIdx.x % kLanes;
   const int64_t items = channel_first_items<kMasked, kWidth>(p, split.chunks.d);
   const int64_t warps_per_grid = int64_t{gridDim.x} * (blockDim.x / kLanes);
@@ -774,9 +775,8 @@ __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
       if constexpr (kGroups == 1) {
         for (int g = 0; g < channels; ++g) run(item.channel(g), uniform);
       } else {
-        // Without seq_idx one turn (the item's channels are one a group, G = kGroups), bounded so
-        // that the compiler sees it: to the channel count the loop cost the unmasked bf16 K = 5
-        // and 6 backward 12 bytes of spills.
+        // Without seq_idx one turn (G = kGroups), bounded so that the compiler sees it: to the
+        // channel count the loop cost the unmasked bf16 K = 5 and 6 backward 12 bytes of spills.
         const int group = lane / kWidth, loop_channels = kMasked ? channels : 1;
         for (int g = 0; g < loop_channels; g += kGroups) {
           run(item.channel(std::min(g + group, channels - 1)), uniform);
