@@ -478,9 +478,11 @@ def make_params(rng, case, param_dtype: Optional[str] = None):
     return w, b
 
 
-def packed_seq_idx(rng, batch: int, length: int):
-    """seq_idx of four packed sequences per row, at random boundaries (the features cases')."""
-    cuts = np.sort(rng.choice(np.arange(1, length), size=(batch, 3), replace=True), axis=1)
+def packed_seq_idx(rng, batch: int, length: int, sequences: int = 4):
+    """seq_idx of `sequences` packed sequences per row, at random boundaries (the features cases'
+    four; one: a single id, no boundary)."""
+    cuts = np.sort(rng.choice(np.arange(1, length), size=(batch, sequences - 1), replace=True),
+                   axis=1)
     return jnp.asarray((np.arange(length)[None, :, None] >= cuts[:, None, :]).sum(-1), jnp.int32)
 
 

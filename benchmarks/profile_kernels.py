@@ -30,6 +30,10 @@ cotangent (dx, dw, db and the initial state's gradient):
 
     python3 benchmarks/profile_kernels.py --layout BDL --features --trace 50
 
+--sequences N sets the sequences a row of --features (N - 1 random cuts; 1: one id throughout,
+every segment uniform), to split a packed call's time into what its boundaries cost and what the
+seq_idx path costs without them.
+
 x, dy, weight and bias are bf16 (bench.py's default: the params in x's dtype); --dtype float16
 or float32 for the others (the forward and backward, not --update).
 """
@@ -189,6 +193,8 @@ def main():
                         help="x, dy, the weight, bias and states (forward and backward only)")
     parser.add_argument("--features", action="store_true",
                         help="with seq_idx (four packed sequences a row), initial and final states")
+    parser.add_argument("--sequences", type=int, default=4, metavar="N",
+                        help="packed sequences a row with --features (N - 1 random cuts)")
     args = parser.parse_args()
     batch, length, channels = args.shape
     if args.update and length != 1:
@@ -197,6 +203,8 @@ def main():
         parser.error("--features is for the forward and backward, not --update")
     if args.update and args.dtype != "bfloat16":
         parser.error("--dtype is for the forward and backward; --update times bf16")
+    if args.sequences < 1 or (args.sequences != 4 and not args.features):
+        parser.error(f"--sequences takes N >= 1 and --features, got {args.sequences}")
     if args.update:
         ops = update_ops(batch, channels, args.width, args.layout)
         if args.trace:
@@ -220,7 +228,8 @@ def main():
                        else (batch, channels, args.width - 1))
         state = (jnp.asarray(rng.standard_normal(state_shape), dtype),)
         dy_state = (jnp.asarray(rng.standard_normal(state_shape), dtype),)
-        kwargs.update(seq_idx=packed_seq_idx(rng, batch, length), return_final_state=True)
+        kwargs.update(seq_idx=packed_seq_idx(rng, batch, length, args.sequences),
+                      return_final_state=True)
 
     def fwd(x, w, b, *state):  # state: the initial state with --features, else none
         return jcc.causal_conv1d(x, w, b, initial_state=state[0] if state else None, **kwargs)
@@ -232,8 +241,9 @@ def main():
     fwd_jit, bwd_jit = jax.jit(fwd), jax.jit(bwd)
     fwd_args, bwd_args = (x, w, b, *state), (x, w, b, state, (dy, *dy_state))
     if args.trace:
+        packed = "" if args.sequences == 4 else f"({args.sequences} sequences a row)"
         print(f"{args.layout} B={batch} L={length} D={channels} K={args.width} {args.dtype}"
-              f"{' +seq_idx+states' if args.features else ''}, {args.trace} calls each, "
+              f"{f' +seq_idx{packed}+states' if args.features else ''}, {args.trace} calls each, "
               f"{jax.devices()[0].device_kind}")
         # bench.py's roofline: one read and one write (fwd), two reads and one write (bwd).
         copy_fwd = jax.jit(flip_sign)

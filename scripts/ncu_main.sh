@@ -9,6 +9,9 @@
 #   UPDATE=1 STALLS=1 scripts/ncu_main.sh DIR   # the decode step (B=256 D=8192 unless SHAPE)
 #   FEATURES=1 LAYOUTS=BDL scripts/ncu_main.sh DIR  # with seq_idx (4 packed sequences a row) and
 #                                                     # states: bench.py's features case
+#   FEATURES=1 SEQUENCES=1 ...  # SEQUENCES packed sequences a row instead (1: no boundary)
+#   EXTRA_METRICS=lts__t_sectors_srcunit_tex_op_read.sum,... scripts/ncu_main.sh DIR  # more
+#       metrics in the CSV (the summary below prints the usual ones)
 # KERNELS (a regex) sets the filter; '.' also profiles every kernel JAX runs while starting and
 # compiling, and did not finish the first layout in 200 s (tests/GPU.md, eighth session). Even a
 # narrow filter takes minutes to reach our kernels (one layout, two kernels: about 3 minutes in
@@ -25,12 +28,13 @@ else
   shape=${SHAPE:-8,2048,4096}
   kernels=${KERNELS:-channel|reduce|short_rows}
   mode=()
-  [[ ${FEATURES:-0} == 1 ]] && mode=(--features)
+  [[ ${FEATURES:-0} == 1 ]] && mode=(--features --sequences "${SEQUENCES:-4}")
 fi
 metrics=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
 metrics+=,sm__throughput.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active
 metrics+=,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,smsp__inst_executed.sum
 metrics+=,launch__grid_size,dram__bytes_read.sum,dram__bytes_write.sum
+[[ -n ${EXTRA_METRICS:-} ]] && metrics+=,$EXTRA_METRICS
 if [[ ${STALLS:-0} == 1 ]]; then
   for reason in barrier branch_resolving dispatch_stall drain imc_miss lg_throttle long_scoreboard \
       math_pipe_throttle membar mio_throttle misc no_instruction not_selected selected \
