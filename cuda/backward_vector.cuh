@@ -372,28 +372,45 @@ constexpr int power_of_two_from(int n) {
 // l ^ half and keeps the half that bit `half` of l selects; the levels left sum the one value.
 // N = 5 takes 4 + 2 + 1 + 1 + 1 = 9 shuffles against 25 for a tree per value. Each sum runs in one
 // fixed order, so the backward stays deterministic. kWidth < 32: the sums of each group of kWidth
-// lanes (lane: the lane's index in its group).
+// lanes (lane: the lane's index in its group). N one more than a power of two from 8 up (K = 8's
+// dw/db: 9) goes as a scatter of the first N - 1 and a tree of the last, whose sum lane N - 1
+// returns: padded to 16, the values took a 64-byte stack frame in every K = 8 channel-first
+// backward, and the split takes fewer shuffles (12 against 15 over 16 lanes; 5 values split
+// would take 9 against 8 padded).
 template <int kWidth = kLanes, int N>
 __device__ __forceinline__ float warp_sum_scatter(const float (&values)[N], int lane) {
   constexpr int kPadded = power_of_two_from(N);
   static_assert(kPadded <= kWidth, "a value per lane at most");
-  float v[kPadded];
+  if constexpr (kPadded >= 16 && N == kPadded / 2 + 1) {
+    float head[N - 1];
 #pragma unroll
-  for (int i = 0; i < kPadded; ++i) v[i] = i < N ? values[i] : 0.0f;
+    for (int i = 0; i < N - 1; ++i) head[i] = values[i];
+    const float head_sum = warp_sum_scatter<kWidth>(head, lane);
+    float last = values[N - 1];
 #pragma unroll
-  for (int half = kPadded / 2; half > 0; half /= 2) {
-    const bool upper = lane & half;
-#pragma unroll
-    for (int j = 0; j < half; ++j) {
-      const float keep = upper ? v[j + half] : v[j];
-      v[j] = keep + __shfl_xor_sync(kFullWarp, upper ? v[j] : v[j + half], half);
+    for (int lanes = kWidth / 2; lanes > 0; lanes /= 2) {
+      last += __shfl_xor_sync(kFullWarp, last, lanes);
     }
-  }
+    return lane == N - 1 ? last : head_sum;
+  } else {
+    float v[kPadded];
 #pragma unroll
-  for (int lanes = kPadded; lanes < kWidth; lanes *= 2) {
-    v[0] += __shfl_xor_sync(kFullWarp, v[0], lanes);
+    for (int i = 0; i < kPadded; ++i) v[i] = i < N ? values[i] : 0.0f;
+#pragma unroll
+    for (int half = kPadded / 2; half > 0; half /= 2) {
+      const bool upper = lane & half;
+#pragma unroll
+      for (int j = 0; j < half; ++j) {
+        const float keep = upper ? v[j + half] : v[j];
+        v[j] = keep + __shfl_xor_sync(kFullWarp, upper ? v[j] : v[j + half], half);
+      }
+    }
+#pragma unroll
+    for (int lanes = kPadded; lanes < kWidth; lanes *= 2) {
+      v[0] += __shfl_xor_sync(kFullWarp, v[0], lanes);
+    }
+    return v[0];
   }
-  return v[0];
 }
 
 // Blocks of kChannelFirstThreads per SM the channel-first backward's registers must allow (0: no
@@ -447,6 +464,14 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
   constexpr int P = K - 1;
   constexpr int kWidth = channel_first_backward_width<T, kMasked>();
   constexpr int64_t kSegment = kWidth * V;
+  // Interior segments two a loop pass (ring slots as immediates, current / next renamed instead of
+  // copied) only without seq_idx from K = 7: at bf16 K = 4 pairs cut a segment 242 -> 225
+  // instructions and ran no faster (fourteenth and seventeenth sessions), that kernel not being
+  // issue-bound, while K = 8 issues about half as many instructions again an element and its
+  // forward bought about half its instruction cut (twenty-first session). bf16 segments: K = 7
+  // 331 -> 314.5 instructions, K = 8 359 -> 340. With taps also summed in arrival order, pairs
+  // took BDL K = 8 160.2 -> 157.0 us and K = 7 143.8 -> 145.5 (eighteenth session).
+  constexpr bool kInteriorPairs = !kMasked && K >= 7;
   using Word = RawFor<T, V>;
   const Conv<T, float, K> conv{p};
   const int lane = threadIdx.x % kWidth;  // in the lane's group, which takes one channel
@@ -493,8 +518,9 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
     for (int a = 0; a < kBackwardAhead; ++a) fetch(item.c0 + a * kSegment, a);
 
     // Called for segments c0, c0 + kSegment, ... in order, every one below loaded_end; interior
-    // (std::true_type) when every time of the segment exists and is the item's own.
-    const auto segment_delta = [&](int64_t s, SegmentDelta<V>& out, auto interior) {
+    // (std::true_type) when every time of the segment exists and is the item's own. slot: its
+    // packs' ring slot, step or (in interior pairs) a std::integral_constant of it.
+    const auto segment_delta = [&](int64_t s, SegmentDelta<V>& out, auto interior, auto slot) {
       constexpr bool kInterior = decltype(interior)::value;
       const bool masked = kMasked && !(uniform.before & 1u);
       uniform.before >>= 1;
@@ -502,9 +528,9 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
       const bool exists = kInterior || t0 < loaded_end;
       float own[V], dy[V];
       ring_wait<kBackwardAhead - 1>();
-      widen(x_ring.template read<T, V>(step), own);
-      widen(dy_ring.template read<T, V>(step), dy);
-      fetch(s + kBackwardAhead * kSegment, step + kBackwardAhead);
+      widen(x_ring.template read<T, V>(slot), own);
+      widen(dy_ring.template read<T, V>(slot), dy);
+      fetch(s + kBackwardAhead * kSegment, slot + kBackwardAhead);
       ++step;
       float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}
       carry.template advance<V, kWidth>(own, lane, xs);
@@ -525,7 +551,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
     };
 
     SegmentDelta<V> current, next;
-    segment_delta(item.c0, current, std::false_type{});
+    segment_delta(item.c0, current, std::false_type{}, step);
     if (item.c0 == 0 && p.dinitial_state != nullptr) {
       // dS = dx on [-P, 0): taps of outputs 0 .. P-1, which lanes 0 and 1 hold. The rows here
       // are longer than 32 packs (shorter ones take backward_short_rows_kernel): those outputs
@@ -552,10 +578,10 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
     // both segments are the item's own: every tap's output then exists, no dx is a final-state
     // time (a segment is longer than P) and every lane stores. The per-element tests of the
     // checked copy compiled to a branch around each element's activation.
-    const auto segment_dx = [&](int64_t s, auto interior) {
+    const auto segment_dx = [&](int64_t s, auto interior, auto slot) {
       constexpr bool kInterior = decltype(interior)::value;
       if (kInterior || s + kSegment < loaded_end) {
-        segment_delta(s + kSegment, next, interior);
+        segment_delta(s + kSegment, next, interior, slot);
       } else {
         for (int v = 0; v < V; ++v) next.delta[v] = 0.0f;
       }
@@ -604,8 +630,24 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
       current = next;
     };
     int64_t s = item.c0;
-    for (; s + 2 * kSegment <= item.c1; s += kSegment) segment_dx(s, std::true_type{});
-    for (; s < item.c1; s += kSegment) segment_dx(s, std::false_type{});
+    if constexpr (kInteriorPairs) {
+      // Segment c0 + n kSegment's packs are in slot n % 2: a pair starting at an even n takes the
+      // next segments' deltas from slots 1 and 0.
+      using Odd = std::integral_constant<int, 1>;
+      using Even = std::integral_constant<int, 0>;
+      static_assert(kBackwardAhead == 2, "a pair of segments is a turn of the ring");
+      for (; s + 3 * kSegment <= item.c1; s += 2 * kSegment) {
+        segment_dx(s, std::true_type{}, Odd{});
+        segment_dx(s + kSegment, std::true_type{}, Even{});
+      }
+      if (s + 2 * kSegment <= item.c1) {
+        segment_dx(s, std::true_type{}, Odd{});
+        s += kSegment;
+      }
+    } else {
+      for (; s + 2 * kSegment <= item.c1; s += kSegment) segment_dx(s, std::true_type{}, step);
+    }
+    for (; s < item.c1; s += kSegment) segment_dx(s, std::false_type{}, step);
     const float sum = warp_sum_scatter<kWidth>(dw, lane);
     ring_wait<0>();  // the fetches past the item land before the next item's reuse their slots
     if (lane <= K) {
