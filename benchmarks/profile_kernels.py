@@ -32,7 +32,7 @@ cotangent (dx, dw, db and the initial state's gradient):
 
 --sequences N sets the sequences a row of --features (N - 1 random cuts; 1: one id throughout,
 every segment uniform), to split a packed call's time into what its boundaries cost and what the
-seq_idx path costs without them.
+seq_idx path costs without them; 0: no seq_idx (the states alone, the kernels without seq_idx).
 
 x, dy, weight and bias are bf16 (bench.py's default: the params in x's dtype); --dtype float16
 or float32 for the others (the forward and backward, not --update).
@@ -193,8 +193,9 @@ def main():
                         help="x, dy, the weight, bias and states (forward and backward only)")
     parser.add_argument("--features", action="store_true",
                         help="with seq_idx (four packed sequences a row), initial and final states")
-    parser.add_argument("--sequences", type=int, default=4, metavar="N",
-                        help="packed sequences a row with --features (N - 1 random cuts)")
+    parser.add_argument("--sequences", type=int, default=None, metavar="N",
+                        help="packed sequences a row with --features (N - 1 random cuts; "
+                             "default 4; 0: the states without seq_idx)")
     args = parser.parse_args()
     batch, length, channels = args.shape
     if args.update and length != 1:
@@ -203,8 +204,9 @@ def main():
         parser.error("--features is for the forward and backward, not --update")
     if args.update and args.dtype != "bfloat16":
         parser.error("--dtype is for the forward and backward; --update times bf16")
-    if args.sequences < 1 or (args.sequences != 4 and not args.features):
-        parser.error(f"--sequences takes N >= 1 and --features, got {args.sequences}")
+    if args.sequences is not None and (args.sequences < 0 or not args.features):
+        parser.error(f"--sequences takes N >= 0 and --features, got {args.sequences}")
+    sequences = 4 if args.sequences is None else args.sequences
     if args.update:
         ops = update_ops(batch, channels, args.width, args.layout)
         if args.trace:
@@ -228,8 +230,9 @@ def main():
                        else (batch, channels, args.width - 1))
         state = (jnp.asarray(rng.standard_normal(state_shape), dtype),)
         dy_state = (jnp.asarray(rng.standard_normal(state_shape), dtype),)
-        kwargs.update(seq_idx=packed_seq_idx(rng, batch, length, args.sequences),
-                      return_final_state=True)
+        kwargs.update(return_final_state=True)
+        if sequences > 0:
+            kwargs.update(seq_idx=packed_seq_idx(rng, batch, length, sequences))
 
     def fwd(x, w, b, *state):  # state: the initial state with --features, else none
         return jcc.causal_conv1d(x, w, b, initial_state=state[0] if state else None, **kwargs)
@@ -241,10 +244,12 @@ def main():
     fwd_jit, bwd_jit = jax.jit(fwd), jax.jit(bwd)
     fwd_args, bwd_args = (x, w, b, *state), (x, w, b, state, (dy, *dy_state))
     if args.trace:
-        packed = "" if args.sequences == 4 else f"({args.sequences} sequences a row)"
+        features = ""
+        if args.features:
+            packed = "" if args.sequences is None else f"({sequences} sequences a row)"
+            features = f" +seq_idx{packed}+states" if sequences > 0 else " +states"
         print(f"{args.layout} B={batch} L={length} D={channels} K={args.width} {args.dtype}"
-              f"{f' +seq_idx{packed}+states' if args.features else ''}, {args.trace} calls each, "
-              f"{jax.devices()[0].device_kind}")
+              f"{features}, {args.trace} calls each, {jax.devices()[0].device_kind}")
         # bench.py's roofline: one read and one write (fwd), two reads and one write (bwd).
         copy_fwd = jax.jit(flip_sign)
         copy_bwd = jax.jit(lambda x, dy: dy - x)

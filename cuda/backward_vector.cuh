@@ -59,6 +59,20 @@ constexpr bool backward_reads_ahead() {
   return sizeof(T) == 2 && (!kMasked || backward_min_blocks<T, K>() == 1);
 }
 
+// Whether the channel-last backward copies the P rows of the final state's cotangent (dF) that a
+// thread's tile needs into shared memory with its first copy group, for the dx of times L - P ..
+// L - 1 to read there. With seq_idx each of those last P steps of a channel loaded its dF values
+// behind two id loads and a compare: a dependent chain at each of them, with a DRAM miss on a
+// warp's first touch of a row, at the grid's very end (the twenty-first session's count of the
+// masked bf16 K = 4 backward's gap: about 2 us, 24 dependent loads, 3 of them DRAM misses;
+// benchmarks/RESULTS.md). Not at 16-bit K = 2 (8 channels a thread, at the cap of 128 registers):
+// with the copies ptxas spilled 8 bytes of the float16 kernel (none of the bfloat16 one); one path
+// serves both, as for kSpans below. Without seq_idx the load has no id loads before it.
+template <typename T, int K, bool kMasked>
+constexpr bool backward_stages_final_state() {
+  return kMasked && !(sizeof(T) == 2 && K == 2);
+}
+
 // (B, L, D), D a multiple of C. A thread owns C channels over one tile [t0, t1) and streams s from
 // t0 to t1 + P - 1 with K-row register windows of x and delta. At step s it finishes delta_s, adds
 // delta_s's dw/db terms when it owns s, and emits dx_{s-P}, whose deltas (s-P .. s) are all in the
@@ -83,9 +97,13 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
   constexpr int kRingSlots = kDepth * kBackwardThreads;
   constexpr bool kAhead = backward_reads_ahead<T, K, kMasked>();
   static_assert(!kAhead || kDepth >= 2, "a read ahead leaves the ring a row in flight");
-  // The x ring, then the dy ring; once a grouped block's steps are done, its warps' dw/db sums.
-  __shared__ Row slots[2 * kRingSlots];
+  constexpr bool kStagedFinal = backward_stages_final_state<T, K, kMasked>();
+  using FinalRows = RowSlots<P, Row, kBackwardThreads>;
+  // The x ring, the dy ring, then (kStagedFinal) dF's rows; once a grouped block's steps are done,
+  // its warps' dw/db sums.
+  __shared__ Row slots[2 * kRingSlots + (kStagedFinal ? FinalRows::kSlots : 0)];
   const RowRing<kDepth, Row, kBackwardThreads> x_ring{slots}, dy_ring{slots + kRingSlots};
+  const FinalRows final_rows{slots + 2 * kRingSlots};
   const Conv<T, float, K> conv{p};
   allow_dependent_grid();  // the reduction's blocks may wait on the SMs (see launch_dependent)
   const int64_t tile_len = split.len, tiles = split.count, slices = split.slices.d;
@@ -120,6 +138,16 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
         ring_commit();
         next_row += p.channels;
       };
+      // Where the tile emits a dx of the final state's times (u >= L - P), all P rows of dF join
+      // step 0's copy group.
+      if constexpr (kStagedFinal) {
+        if (p.dfinal_state != nullptr && t0 + owned > p.length - P) {
+          for (int j = 0; j < P; ++j) {
+            final_rows.fetch(
+                j, static_cast<const T*>(p.dfinal_state) + offset(p.state_strides, b, j, d0));
+          }
+        }
+      }
       for (int step = 0; step < kDepth; ++step) fetch(step);
       // With kAhead, the next step's rows. A row that was not fetched (past live_steps) holds an
       // older row's bytes or none: its step does not use it.
@@ -201,7 +229,16 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
             }
           }
           if (!kInterior && u >= p.length - P) {
-            for (int c = 0; c < C; ++c) g[c] += conv.final_state_grad(b, u, d0 + c);
+            if constexpr (kStagedFinal) {  // conv.final_state_grad with dF's row from its slots
+              const int j = static_cast<int>(u - (p.length - P));
+              if (p.dfinal_state != nullptr && conv.final_state_kept(b, j)) {
+                float final_grad[C];
+                widen(final_rows.template read<T, C>(j), final_grad);
+                for (int c = 0; c < C; ++c) g[c] += final_grad[c];
+              }
+            } else {
+              for (int c = 0; c < C; ++c) g[c] += conv.final_state_grad(b, u, d0 + c);
+            }
           }
           if (kInterior || u >= 0) {
             store_vec(static_cast<T*>(p.dx) + next_row - (kDepth + 1 + P) * p.channels,

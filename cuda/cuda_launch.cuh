@@ -18,7 +18,8 @@ namespace causal_conv {
 inline constexpr int64_t kMaxGridBlocks = int64_t{1} << 20;
 
 // Whether the vectorized kernels apply: a compile-time width, float or half x, packs that tile
-// the contiguous dimension, and 16-byte aligned buffers (the gradients' too in the backward).
+// the contiguous dimension, and 16-byte aligned buffers (in the backward dy, dF and the gradients'
+// too: the masked channel-last backward copies dF's rows by cp.async).
 template <typename T, int kWidth>
 bool vector_applies(const ConvParams& p, bool backward) {
   if constexpr (kWidth == 0 || std::is_same_v<T, double>) {
@@ -28,7 +29,8 @@ bool vector_applies(const ConvParams& p, bool backward) {
     const bool forward_ok = contiguous % kPack<T> == 0 && aligned16(p.x) && aligned16(p.y) &&
                             (p.initial_state == nullptr || aligned16(p.initial_state)) &&
                             (p.seq_idx == nullptr || aligned16(p.seq_idx));
-    const bool state_ok = p.dinitial_state == nullptr || aligned16(p.dinitial_state);
+    const bool state_ok = (p.dinitial_state == nullptr || aligned16(p.dinitial_state)) &&
+                          (p.dfinal_state == nullptr || aligned16(p.dfinal_state));
     return forward_ok && (!backward || (aligned16(p.dy) && aligned16(p.dx) && state_ok));
   }
 }

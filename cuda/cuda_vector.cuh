@@ -213,6 +213,18 @@ __device__ __forceinline__ Vec<T, N> narrow(const A (&in)[N]) {
   return out;
 }
 
+// Starts a cp.async copy of kBytes (4, 8 or 16) from global src to the shared-window address dst.
+template <int kBytes>
+__device__ __forceinline__ void copy_async(uint32_t dst, const void* src) {
+  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async moves 4, 8 or 16 bytes");
+  if constexpr (kBytes == 16) {  // .cg: streamed rows need no L1 copy
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(src), "n"(kBytes)
+                 : "memory");
+  }
+}
+
 // Per-thread rows (one Row word of 4, 8 or 16 bytes) of one buffer, fetched kDepth steps ahead
 // with cp.async into shared memory. A copy in flight holds no registers; with the rows loaded into
 // registers one step ahead, register pressure capped the vectorized kernels at 12-24% of warps
@@ -228,7 +240,6 @@ struct RowRing {
   static_assert((kDepth & (kDepth - 1)) == 0, "kDepth must be a power of two");
   static constexpr int kSlots = kDepth * kBlockThreads;  // Row slots per block: [depth][thread]
   static constexpr int kBytes = static_cast<int>(sizeof(Row));
-  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async moves 4, 8 or 16 bytes");
 
   const Row* mine;      // the thread's slot at depth 0; neighbouring threads, neighbouring banks
   uint32_t mine_shared;  // the same slot as a shared-window address, for cp.async
@@ -240,14 +251,7 @@ struct RowRing {
   // Starts the copy of step's row from src, if live.
   __device__ __forceinline__ void fetch(int step, const void* src, bool live) const {
     const uint32_t dst = mine_shared + (step & (kDepth - 1)) * (kBlockThreads * kBytes);
-    if (live) {
-      if constexpr (kBytes == 16) {  // .cg: streamed rows need no L1 copy
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-      } else {
-        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(src), "n"(kBytes)
-                     : "memory");
-      }
-    }
+    if (live) copy_async<kBytes>(dst, src);
   }
 
   __device__ __forceinline__ Row read(int step) const {
@@ -258,6 +262,34 @@ struct RowRing {
   __device__ __forceinline__ Vec<T, N> read(int step) const {
     static_assert(sizeof(Vec<T, N>) == sizeof(Row), "a row is one Row word");
     return from_raw<T, N>(read(step));
+  }
+};
+
+// kRows per-thread rows of one buffer that a thread needs only late in its work, copied once with
+// cp.async into shared memory inside a RowRing's copy group: a ring wait that covers that group
+// makes them readable, with no load on the thread's late steps' dependency chains. As in RowRing,
+// each thread reads back only the slots it filled.
+template <int kRows, typename Row, int kBlockThreads>
+struct RowSlots {
+  static constexpr int kSlots = kRows * kBlockThreads;  // Row slots per block: [row][thread]
+  static constexpr int kBytes = static_cast<int>(sizeof(Row));
+
+  const Row* mine;
+  uint32_t mine_shared;
+
+  __device__ __forceinline__ explicit RowSlots(Row* slots)
+      : mine(slots + threadIdx.x),
+        mine_shared(static_cast<uint32_t>(__cvta_generic_to_shared(slots + threadIdx.x))) {}
+
+  // Starts the copy of row `row` (< kRows) from src.
+  __device__ __forceinline__ void fetch(int row, const void* src) const {
+    copy_async<kBytes>(mine_shared + row * (kBlockThreads * kBytes), src);
+  }
+
+  template <typename T, int N>
+  __device__ __forceinline__ Vec<T, N> read(int row) const {
+    static_assert(sizeof(Vec<T, N>) == sizeof(Row), "a row is one Row word");
+    return from_raw<T, N>(mine[row * kBlockThreads]);
   }
 };
 

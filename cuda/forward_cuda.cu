@@ -104,11 +104,17 @@ bool launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
     return false;
   }
   constexpr auto kernel = forward_channel_first_kernel<T, K, kMasked>;
-  constexpr int kItemWidth = channel_first_forward_item_width<T, K, kMasked>();
-  const int64_t chunk_len = channel_first_chunk_for<kernel, T, kMasked, kItemWidth>(
-      p, channel_first_forward_item_segments<T, K, kMasked>());
-  const ChannelFirstSplit split(p, chunk_len, channels_per_item<kMasked, kItemWidth>());
-  const int64_t items = channel_first_items<kMasked, kItemWidth>(p, split.chunks.d);
+  constexpr int kWidth = channel_first_forward_width<T, K, kMasked>();
+  // With seq_idx the rows are cut in segments of 32 V times at either width, as many as
+  // uniform_segments' masks (kUniformSegments segments of kWidth packs) cover: in the halves'
+  // segments of 16 V times, channel_first_chunk's model would cut B=8 L=2048 D=4096's packed rows
+  // in two (7 waves of half rows against 4 of whole ones; predicted slower, each item's start and
+  // mask checks paid twice a row).
+  constexpr int kChunkWidth = kMasked ? kLanes : kWidth;
+  const int64_t chunk_len = channel_first_chunk_for<kernel, T, kMasked, kChunkWidth>(
+      p, forward_item_segments<kMasked>() * kWidth / kChunkWidth);
+  const ChannelFirstSplit split(p, chunk_len, channels_per_item<kMasked, kWidth>());
+  const int64_t items = channel_first_items<kMasked, kWidth>(p, split.chunks.d);
   kernel<<<grid_for_warps(items), kChannelFirstThreads, 0, stream>>>(p, split);
   return channel_first_forward_final_state<T, K, kMasked>();
 }

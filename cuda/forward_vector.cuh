@@ -301,14 +301,18 @@ constexpr ItemKept channel_first_forward_kept() {
 // warp's segment (bf16 K = 4: 124 uniform, 187 masked): at four sequences a row of 2048 at three
 // random cuts (bench.py's features case) 2.7 of a row's 8 segments of 256 times were masked, in
 // halves 2.9 of its 16 of 128, which the warp takes two rows at a time (1.45 a row's 8 warp
-// segments). uniform_segments then checks packs of V / 2 entries, twice the segments at 19
-// instructions each instead of 24, once per item of kUniformChannels rows; an item takes two runs
-// (weights, carry, first loads, tail) instead of four. f32 (V = 4) would need packs of 2 entries
-// there (load_segments reads fours). On the H200 (twentieth session, packed BDL fwd, us) the
-// halves took K = 6 100.7 -> 94.6 and K = 8 110.0 -> 100.8, but K = 2 83.8 -> 84.9 and K = 4
-// 83.8 -> 86.7 (f16 83.2 -> 86.3; 16-bit K = 4 also lost its kept rows, which spilled): where a
-// uniform segment is cheap, a run's fixed cost and the masked share weigh less than the halves'
-// extra shuffles and twice the uniform_segments checks. So K >= 6 only.
+// segments). uniform_segments then checks twice the segments, two a ballot, once per item of
+// kUniformChannels rows; an item takes two runs (weights, carry, first loads, tail) instead of
+// four. On the H200 (twentieth session, packed BDL fwd, us) the halves took K = 6 100.7 -> 94.6
+// and K = 8 110.0 -> 100.8, but K = 2 83.8 -> 84.9 and K = 4 83.8 -> 86.7 (f16 83.2 -> 86.3;
+// 16-bit K = 4 also lost its kept rows, which spilled): where a uniform segment is cheap, a run's
+// fixed cost and the masked share weigh less than the halves' extra shuffles and twice the
+// uniform_segments checks. So K >= 6 only. The halves are for_each_channel_first_item's kWidth
+// 16, as in the backward; until the twenty-second session the kernel paired an item's channels
+// itself, at width 32 with uniform_segments on packs of V / 2 entries (so not f32, whose fours
+// load_segments cannot halve; f32 halves have not been tried since), which took about 120
+// instructions more an item of four rows of 16 segments at K = 6 and 8, 80 at K = 7 (SASS, bf16
+// and f16: a ballot a segment, and turns for the odd channels).
 template <typename T, int K, bool kMasked>
 constexpr bool channel_first_forward_halves() {
   return kMasked && sizeof(T) == 2 && K >= 6;
@@ -333,21 +337,6 @@ constexpr int channel_first_forward_width() {
   return channel_first_forward_halves<T, K, kMasked>() || plain_halves ? kLanes / 2 : kLanes;
 }
 
-// Lanes per channel of the channel-first forward's items (for_each_channel_first_item's and the
-// launch's): the masked halves pair an item's channels themselves (see the kernel).
-template <typename T, int K, bool kMasked>
-constexpr int channel_first_forward_item_width() {
-  return kMasked ? kLanes : channel_first_forward_width<T, K, kMasked>();
-}
-
-// The most segments of 32 V times per channel-first forward item: as many as uniform_segments'
-// masks cover (half as many of 32 V times with halves).
-template <typename T, int K, bool kMasked>
-constexpr int64_t channel_first_forward_item_segments() {
-  return channel_first_forward_halves<T, K, kMasked>() ? kUniformSegments / 2
-                                                       : forward_item_segments<kMasked>();
-}
-
 // (B, D, L), L a multiple of the pack V: a warp streams chunk_len times of one (b, d) row, lane l
 // owning V consecutive times of each 32 V-time segment (with channel_first_forward_width 16, of two
 // rows, each half of the warp one row's segments of 16 V times); the K-1 inputs before a lane's
@@ -366,7 +355,6 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
     forward_channel_first_kernel(ConvParams p, ChannelFirstSplit split) {
   constexpr int V = kPack<T>;
   constexpr int P = K - 1;
-  constexpr bool kHalves = channel_first_forward_halves<T, K, kMasked>();
   constexpr int kWidth = channel_first_forward_width<T, K, kMasked>();
   constexpr int64_t kSegment = kWidth * V;
   constexpr int kTurn = channel_first_forward_turn<T, K, kMasked>();
@@ -374,16 +362,13 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
   const int lane = threadIdx.x % kWidth;
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
-  // The item's channel `pair` (times [c0, c1)): without seq_idx the half's own at width 16 (see
-  // for_each_channel_first_item); with kHalves in the warp's lower half and channel pair.d + 1 in
-  // its upper half, where that is past the item's channels, the upper half repeats the lower
-  // half's row, storing the same values at the same addresses (a test of each store instead
-  // spilled 8 bytes at bf16 K = 4, when that had halves). Bit j of masks.before (then of
-  // uniform): whether the item's segment j is uniform (none past the first kUniformSegments).
+  // The item's channel `item` (times [c0, c1)), at width 16 the half's own (see
+  // for_each_channel_first_item: past the item's channels the upper half repeats the lower half's
+  // row, storing the same values at the same addresses; a test of each store instead spilled 8
+  // bytes at bf16 K = 4, when that had halves). Bit j of masks.before (then of uniform): whether
+  // the item's segment j of kWidth packs is uniform (none past the first kUniformSegments).
   // silu: p.silu, or without seq_idx std::true_type or std::false_type.
-  const auto run = [&](const ChannelFirstItem& pair, UniformSegments masks, auto silu) {
-    const bool upper = kHalves && threadIdx.x % kLanes >= kWidth;
-    const ChannelFirstItem item = pair.channel(upper && pair.d + 1 < p.channels ? 1 : 0);
+  const auto run = [&](const ChannelFirstItem& item, UniformSegments masks, auto silu) {
     // One element offset serves x and y: the lane's pack at time 0 of the row (their base pointers
     // stay in the constant bank); the lane's pack of segment s is the item's while s < lane_end.
     const int64_t lane_at = item.row * p.length + lane * V;
@@ -462,16 +447,11 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
       if (s + a * kSegment < item.c1) segment(s + a * kSegment, ahead[a], std::false_type{});
     }
   };
-  // With kHalves the masks are those of segments of kWidth lanes (packs of V / 2 entries across
-  // the warp's 32 lanes), and the item's odd channels run with the even ones before them (items
-  // start at multiples of kUniformChannels, so item.d has the parity of the channel's index).
+  constexpr ItemKept kKept = kMasked ? channel_first_forward_kept<T, K>() : ItemKept::kNothing;
   const auto run_items = [&](auto silu) {
-    for_each_channel_first_item<kHalves ? V / 2 : V, P, kMasked,
-                                kMasked ? channel_first_forward_kept<T, K>() : ItemKept::kNothing,
-                                channel_first_forward_item_width<T, K, kMasked>()>(
-        p, split, 0, [&](const ChannelFirstItem& item, UniformSegments masks) {
-          if (!kHalves || item.d % 2 == 0) run(item, masks, silu);
-        });
+    for_each_channel_first_item<V, P, kMasked, kKept, kWidth>(
+        p, split, 0,
+        [&](const ChannelFirstItem& item, UniformSegments masks) { run(item, masks, silu); });
   };
   if constexpr (kMasked) {
     // Chosen once, the activation saved one instruction of a uniform segment's 146 at bf16 K = 4

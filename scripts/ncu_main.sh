@@ -9,7 +9,8 @@
 #   UPDATE=1 STALLS=1 scripts/ncu_main.sh DIR   # the decode step (B=256 D=8192 unless SHAPE)
 #   FEATURES=1 LAYOUTS=BDL scripts/ncu_main.sh DIR  # with seq_idx (4 packed sequences a row) and
 #                                                     # states: bench.py's features case
-#   FEATURES=1 SEQUENCES=1 ...  # SEQUENCES packed sequences a row instead (1: no boundary)
+#   FEATURES=1 SEQUENCES=1 ...  # SEQUENCES packed sequences a row instead (1: no boundary;
+#                               # 0: the states without seq_idx)
 #   EXTRA_METRICS=lts__t_sectors_srcunit_tex_op_read.sum,... scripts/ncu_main.sh DIR  # more
 #       metrics in the CSV (the summary below prints the usual ones)
 # KERNELS (a regex) sets the filter; '.' also profiles every kernel JAX runs while starting and
