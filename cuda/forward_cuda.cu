@@ -57,12 +57,17 @@ __global__ void final_state_kernel(ConvParams p) {
 // stream at the pace of its SM's share of the bandwidth, so the grid's end waits on pieces
 // started up to a piece's time apart, less of it the shorter they are. The main workload runs 7
 // blocks per SM: 36 steps, 3.95 waves, against 48 steps, 2.98 waves, before (H200, kernel us,
-// two rounds: 70.85 / 70.72 -> 69.76 / 69.90). With seq_idx (masked) from 48 to 64 instead: that
-// kernel checks its steps 32 at a time (SegmentSteps), two checks a piece either way.
+// two rounds: 70.85 / 70.72 -> 69.76 / 69.90). From 48 to 64 instead (long_pieces) with seq_idx
+// (masked), whose kernel checks its steps 32 at a time (SegmentSteps), two checks a piece either
+// way, and at K >= kLongPiecesWidth, where the 16-bit kernels run 4-5 blocks per SM (registers;
+// 7 at K = 4): there the short pieces lost (bf16 B=8 L=2048 D=4096, kernel us: K = 8 89.3 -> 105.7, K = 7 76.1 -> 81.9;
+// twenty-second session).
+constexpr int kLongPiecesWidth = 6;
+
 inline int64_t forward_time_chunk(int64_t columns, int64_t length, int64_t resident, int64_t halo,
-                                  bool masked) {
+                                  bool long_pieces) {
   constexpr int64_t kLongest = 64, kShortest = 8, kMinThreads = 32768;
-  const int64_t fit_from = masked ? 48 : 32, fit_to = masked ? kLongest : 40;
+  const int64_t fit_from = long_pieces ? 48 : 32, fit_to = long_pieces ? kLongest : 40;
   const auto threads_for = [&](int64_t chunk) { return columns * ((length + chunk - 1) / chunk); };
   int64_t chunk = kLongest;
   while (chunk > kShortest && threads_for(chunk) < kMinThreads) chunk /= 2;
@@ -87,7 +92,7 @@ bool launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
     const int64_t columns = p.batch * (p.channels / C);
     const int64_t time_chunk = forward_time_chunk(columns, p.length,
                                                   resident_threads<kernel>(kForwardThreads), K - 1,
-                                                  kMasked);
+                                                  kMasked || K >= kLongPiecesWidth);
     const int64_t threads = columns * ((p.length + time_chunk - 1) / time_chunk);
     const int64_t blocks =
         std::min(kMaxGridBlocks, (threads + kForwardThreads - 1) / kForwardThreads);
