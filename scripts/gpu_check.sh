@@ -62,11 +62,13 @@ summary+=("jax: $(cd /tmp && python3 -c 'import jax, jax_causal_conv._native as 
 if step tests; then
   # Most of the time is XLA compiling on the host: PYTEST_JOBS processes share the GPU, each taking
   # every PYTEST_JOBS-th test (tests/conftest.py, JCC_TEST_SHARD), none preallocating its memory.
+  # -o addopts="": not pyproject's xdist workers (the shards are the processes here, and the GPU
+  # machine's Python may lack pytest-xdist).
   for ((job = 0; job < PYTEST_JOBS; job++)); do
     # shellcheck disable=SC2086
     # -P: do not put the checkout first on sys.path (it has no compiled extensions).
     JCC_TEST_SHARD=$job/$PYTEST_JOBS XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$PYTEST_TIMEOUT" \
-      python3 -P -m pytest -q -m gpu -p no:cacheprovider $PYTEST_ARGS >"$OUT/pytest_gpu_$job.log" 2>&1 &
+      python3 -P -m pytest -q -m gpu -p no:cacheprovider -o addopts="" $PYTEST_ARGS >"$OUT/pytest_gpu_$job.log" 2>&1 &
   done
   wait
   count() { tr -cd "$1" <<<"$progress" | wc -c; }  # of character $1 in $progress
