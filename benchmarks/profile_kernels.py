@@ -224,25 +224,29 @@ def main():
     dy = jnp.asarray(rng.standard_normal(shape), dtype)
     w = jnp.asarray(rng.standard_normal((channels, args.width)), dtype)
     b = jnp.asarray(rng.standard_normal(channels), dtype)
-    state, dy_state, kwargs = (), (), dict(activation="silu", layout=args.layout)
+    # seq_idx is an argument of the jitted calls, not a constant in them: XLA would fold the one
+    # id of --sequences 1 into a broadcast, a kernel of its own before ours on every call.
+    state = seq_idx = None
+    cotangents = dy
     if args.features:
         state_shape = ((batch, args.width - 1, channels) if args.layout == "BLD"
                        else (batch, channels, args.width - 1))
-        state = (jnp.asarray(rng.standard_normal(state_shape), dtype),)
-        dy_state = (jnp.asarray(rng.standard_normal(state_shape), dtype),)
-        kwargs.update(return_final_state=True)
+        state = jnp.asarray(rng.standard_normal(state_shape), dtype)
+        cotangents = (dy, jnp.asarray(rng.standard_normal(state_shape), dtype))
         if sequences > 0:
-            kwargs.update(seq_idx=packed_seq_idx(rng, batch, length, sequences))
+            seq_idx = packed_seq_idx(rng, batch, length, sequences)
 
-    def fwd(x, w, b, *state):  # state: the initial state with --features, else none
-        return jcc.causal_conv1d(x, w, b, initial_state=state[0] if state else None, **kwargs)
+    def fwd(x, w, b, state, seq_idx):  # state, seq_idx: None without --features
+        return jcc.causal_conv1d(x, w, b, activation="silu", layout=args.layout,
+                                 initial_state=state, seq_idx=seq_idx,
+                                 return_final_state=args.features)
 
-    def bwd(x, w, b, state, cotangents):  # tuples: fwd's state, and (dy, the final state's)
-        _, vjp = jax.vjp(fwd, x, w, b, *state)
-        return vjp(cotangents if args.features else cotangents[0])
+    def bwd(x, w, b, state, seq_idx, cotangents):  # cotangents: dy, or (dy, the final state's)
+        _, vjp = jax.vjp(lambda x, w, b, state: fwd(x, w, b, state, seq_idx), x, w, b, state)
+        return vjp(cotangents)
 
     fwd_jit, bwd_jit = jax.jit(fwd), jax.jit(bwd)
-    fwd_args, bwd_args = (x, w, b, *state), (x, w, b, state, (dy, *dy_state))
+    fwd_args, bwd_args = (x, w, b, state, seq_idx), (x, w, b, state, seq_idx, cotangents)
     if args.trace:
         features = ""
         if args.features:
