@@ -60,8 +60,8 @@ __global__ void final_state_kernel(ConvParams p) {
 // two rounds: 70.85 / 70.72 -> 69.76 / 69.90). From 48 to 64 instead (long_pieces) with seq_idx
 // (masked), whose kernel checks its steps 32 at a time (SegmentSteps), two checks a piece either
 // way, and at K >= kLongPiecesWidth, where the 16-bit kernels run 4-5 blocks per SM (registers;
-// 7 at K = 4): there the short pieces lost (bf16 B=8 L=2048 D=4096, kernel us: K = 8 89.3 -> 105.7, K = 7 76.1 -> 81.9;
-// twenty-second session).
+// 7 at K = 4): there the short pieces lost (bf16 B=8 L=2048 D=4096, kernel us, short against
+// long pieces: K = 8 105.7 against 88.8, K = 7 81.9 against 75.5; twenty-second session).
 constexpr int kLongPiecesWidth = 6;
 
 inline int64_t forward_time_chunk(int64_t columns, int64_t length, int64_t resident, int64_t halo,
