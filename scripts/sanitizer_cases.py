@@ -54,6 +54,13 @@ CASES = [
     (64, 128, 256, 4, "BDL", jnp.bfloat16, 0, True),
     (40, 24, 36, 4, "BDL", jnp.float32, 3, True),
     (8, 256, 64, 8, "BDL", jnp.float16, 4, False),
+    # K = 7-8: the channel-first backward's interior segments in pairs and K = 8's sums as 8 + 1,
+    # the masked 16-bit channel-first forward's half-warp rows, the channel-last forward's long
+    # pieces and the masked channel-last backward's final-state rows by cp.async
+    (1, 4096, 512, 8, "BDL", jnp.bfloat16, 0, True),
+    (1, 4096, 512, 7, "BDL", jnp.float16, 3, True),
+    (2, 1000, 256, 8, "BLD", jnp.bfloat16, 0, True),
+    (2, 1000, 256, 8, "BLD", jnp.bfloat16, 3, True),
 ]
 
 UPDATE_CASES = [
