@@ -230,8 +230,8 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
           }
           if (!kInterior && u >= p.length - P) {
             if constexpr (kStagedFinal) {  // conv.final_state_grad with dF's row from its slots
-              const int j = static_cast<int>(u - (p.length - P));
-              if (p.dfinal_state != nullptr && conv.final_state_kept(b, j)) {
+              const int j = static_cast<int>(conv.final_state_row(u));
+              if (conv.final_state_grad_kept(b, j)) {
                 float final_grad[C];
                 widen(final_rows.template read<T, C>(j), final_grad);
                 for (int c = 0; c < C; ++c) g[c] += final_grad[c];

@@ -339,10 +339,15 @@ struct Conv {
     return g * activation_grad(pre_activation(b, t, d), p.silu);
   }
 
-  // The direct path of the final state: dF[j] lands on x_{L-P+j} as is.
+  // The direct path of the final state: dF[j] lands on x_{L-P+j} as is, where dF is given and
+  // x_{L-P+j} is in F. final_state_row(u) is the j of time u (negative before the state's times).
+  CAUSAL_CONV_HD int64_t final_state_row(int64_t u) const { return u - (p.length - state_len()); }
+  CAUSAL_CONV_HD bool final_state_grad_kept(int64_t b, int64_t j) const {
+    return !(p.dfinal_state == nullptr || j < 0 || !final_state_kept(b, j));
+  }
   CAUSAL_CONV_HD A final_state_grad(int64_t b, int64_t u, int64_t d) const {
-    const int64_t j = u - (p.length - state_len());
-    if (p.dfinal_state == nullptr || j < 0 || !final_state_kept(b, j)) return A(0);
+    const int64_t j = final_state_row(u);
+    if (!final_state_grad_kept(b, j)) return A(0);
     return to_acc<A>(static_cast<const T*>(p.dfinal_state)[offset(p.state_strides, b, j, d)]);
   }
 
