@@ -18,8 +18,9 @@ namespace causal_conv {
 inline constexpr int64_t kMaxGridBlocks = int64_t{1} << 20;
 
 // Whether the vectorized kernels apply: a compile-time width, float or half x, packs that tile
-// the contiguous dimension, and 16-byte aligned buffers (in the backward dy, dF and the gradients'
-// too: the masked channel-last backward copies dF's rows by cp.async).
+// the contiguous dimension, and 16-byte aligned buffers (the weight and bias too: the channel-last
+// forward loads them in runs, load_weight_runs; in the backward dy, dF and the gradients' too: the
+// masked channel-last backward copies dF's rows by cp.async).
 template <typename T, int kWidth>
 bool vector_applies(const ConvParams& p, bool backward) {
   if constexpr (kWidth == 0 || std::is_same_v<T, double>) {
@@ -27,6 +28,7 @@ bool vector_applies(const ConvParams& p, bool backward) {
   } else {
     const int64_t contiguous = p.channel_last ? p.channels : p.length;
     const bool forward_ok = contiguous % kPack<T> == 0 && aligned16(p.x) && aligned16(p.y) &&
+                            aligned16(p.weight) && (p.bias == nullptr || aligned16(p.bias)) &&
                             (p.initial_state == nullptr || aligned16(p.initial_state)) &&
                             (p.seq_idx == nullptr || aligned16(p.seq_idx));
     const bool state_ok = (p.dinitial_state == nullptr || aligned16(p.dinitial_state)) &&

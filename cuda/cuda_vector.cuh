@@ -213,6 +213,22 @@ __device__ __forceinline__ Vec<T, N> narrow(const A (&in)[N]) {
   return out;
 }
 
+// N consecutive elements of T from src as floats, in read-only loads of runs of the largest power
+// of two bytes, up to 16, that divides N * sizeof(T): src must be aligned to a run, as is any
+// N-element row of a 16-byte aligned buffer of such rows. (With one load an element, each of a
+// warp's load instructions looks up every L1 line that its threads' rows span.)
+template <typename T, int N>
+__device__ __forceinline__ void load_runs(const T* src, float (&out)[N]) {
+  constexpr int kBytes = N * static_cast<int>(sizeof(T));
+  constexpr int kRunBytes = (kBytes & -kBytes) < 16 ? (kBytes & -kBytes) : 16;
+  constexpr int kRun = kRunBytes / static_cast<int>(sizeof(T));
+  for (int r = 0; r < N; r += kRun) {
+    float run[kRun];
+    widen(load_readonly<T, kRun>(src + r), run);
+    for (int v = 0; v < kRun; ++v) out[r + v] = run[v];
+  }
+}
+
 // Starts a cp.async copy of kBytes (4, 8 or 16) from global src to the shared-window address dst.
 template <int kBytes>
 __device__ __forceinline__ void copy_async(uint32_t dst, const void* src) {

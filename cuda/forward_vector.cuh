@@ -23,12 +23,21 @@ constexpr int kForwardBudget = 16;
 // With the downward pieces (two more copies, see forward_channel_last_kernel) that cap left them
 // 75 and 66 (6 and 7 blocks); capped at the 7 and 8 blocks they had, they take 72 and 64, no
 // spills, their step loops as long as before (bf16 K = 4: 253 and 173 instructions for 16
-// outputs with and without silu, 256 and 173 before).
+// outputs with and without silu, 256 and 173 before). With its weights in runs (load_weight_runs)
+// bf16 K = 7 left free took 96 registers and spilled 12 bytes (115 before, 4 blocks); capped at
+// the 4 blocks it had, it takes 111, no spills, its step loop with silu 552 -> 523 instructions.
 template <typename T, int K, bool kMasked>
 constexpr int forward_channel_last_min_blocks() {
   if constexpr (kMasked) return 0;
-  return K == 4 ? 7 : (K == 7 && sizeof(T) == 4 ? 8 : 0);
+  if constexpr (K == 7) return sizeof(T) == 4 ? 8 : (std::is_same_v<T, __nv_bfloat16> ? 4 : 0);
+  return K == 4 ? 7 : 0;
 }
+
+// Widths from which the unmasked channel-last forward loads its weights in runs (load_weight_runs):
+// one scalar load a weight cost a warp-piece 296, 400 and 520 L1 line lookups at bf16 K = 6, 7, 8
+// (weights in bf16; 38, 100 and 66 in runs). The narrower and the masked kernels keep the scalar
+// loads, untimed with runs.
+constexpr int kWeightRunsWidth = 6;
 
 // (B, L, D), D a multiple of C: a thread owns C channels over time_chunk steps and slides a
 // K-row register window down them; its next rows arrive through a RowRing. The step loop is
@@ -100,7 +109,11 @@ __global__ void __launch_bounds__(kForwardThreads, forward_channel_last_min_bloc
       }
       for (int step = 0; step < kForwardDepth; ++step) fetch(step);
       float w[K][C], bias[C];
-      load_weights(conv, b, d0, w, bias);
+      if constexpr (!kMasked && K >= kWeightRunsWidth) {
+        load_weight_runs(conv, b, d0, w, bias);
+      } else {
+        load_weights(conv, b, d0, w, bias);
+      }
       // Up, window[k] holds x_{t-P+k} at the output of time t; down, x_{t-k}: tap k reads
       // window[tap(k)] either way.
       float window[K][C];

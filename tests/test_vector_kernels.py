@@ -250,6 +250,37 @@ def test_grouped_tiles_weight_groups(dev):
         assert_close(g, r, jnp.bfloat16, what)
 
 
+# The unmasked channel-last forward at K >= 6 loads a thread's weights and biases in runs of up to
+# 16 bytes (load_weight_runs), each aligned to its size: 16-byte runs at 16-bit K = 6 and 8, 8-byte
+# ones at 16-bit K = 7 and float K = 7 (a thread's rows start 56 bytes apart), with weights in
+# x's dtype or float32, with and without a bias, and under vmapped weights (3 groups of 2 batch rows,
+# each group's threads starting in its own block of the params). L = 300 takes 8-step pieces, up
+# and down.
+@pytest.mark.parametrize("groups", [1, 3], ids=["one_group", "vmapped"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("params", ["x", "float32"])
+@pytest.mark.parametrize("width", [6, 7, 8])
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dev", GPU)
+def test_forward_weight_runs(dev, dtype, width, params, bias, groups):
+    rng = np.random.default_rng(width)
+    batch, length, channels = 2, 300, 256
+    params_dtype = dtype if params == "x" else jnp.float32
+    x = jnp.asarray(rng.standard_normal((batch, length, channels)), dtype)
+    w = jnp.asarray(rng.standard_normal((groups, channels, width)) / np.sqrt(width), params_dtype)
+    b = jnp.asarray(rng.standard_normal((groups, channels)), params_dtype) if bias else None
+
+    def forward(conv, x, w, b):
+        if groups == 1:
+            return conv(x, w[0], None if b is None else b[0], activation="silu")[None]
+        return jax.vmap(lambda w, b: conv(x, w, b, activation="silu"))(w, b)
+
+    y = jax.jit(partial(forward, jcc.causal_conv1d))(*jax.device_put((x, w, b), device(dev)))
+    ref = forward(reference.causal_conv1d, *jax.device_put(to_f64((x, w, b)), device("cpu")))
+    assert y.dtype == jnp.dtype(dtype)
+    assert_close(y, ref, dtype, f"K{width} {params} groups {groups}")
+
+
 # ---- channel-first with seq_idx: segments inside one sequence take the unmasked arithmetic ----
 
 def segment_len(dtype) -> int:
