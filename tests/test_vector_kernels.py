@@ -251,11 +251,11 @@ def test_grouped_tiles_weight_groups(dev):
 
 
 # The unmasked channel-last forward at K >= 6 loads a thread's weights and biases in runs of up to
-# 16 bytes (load_weight_runs), each aligned to its size: 16-byte runs at 16-bit K = 6 and 8, 8-byte
-# ones at 16-bit K = 7 and float K = 7 (a thread's rows start 56 bytes apart), with weights in
-# x's dtype or float32, with and without a bias, and under vmapped weights (3 groups of 2 batch rows,
-# each group's threads starting in its own block of the params). L = 300 takes 8-step pieces, up
-# and down.
+# 16 bytes (load_weight_runs), each aligned to its size: 8-byte runs where a thread's weights are
+# 56 bytes (K = 7 with 16-bit weights, or float x), else 16-byte ones; weights in x's dtype or
+# float32, with and without a bias, and under vmapped weights (3 groups of 2 batch rows, each
+# group's threads starting in its own block of the params). L = 300 takes 8-step pieces, up and
+# down.
 @pytest.mark.parametrize("groups", [1, 3], ids=["one_group", "vmapped"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("params", ["x", "float32"])
