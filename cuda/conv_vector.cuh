@@ -577,18 +577,18 @@ constexpr int kUniformSegments = 32;  // the bits of uniform_segments' masks
 // 150 for a uniform segment's outputs (SASS, bf16 K = 4), and it reads the row's entries (twice
 // the bytes of bf16 x) once per item; without the sharing, every channel paid both.
 constexpr int kUniformChannels = 4;
-// Channels per warp item: without seq_idx, one per group of kWidth lanes (see
-// for_each_channel_first_item).
-template <bool kMasked, int kWidth = kLanes>
+// Channels per warp item: with seq_idx, kMaskedChannels (a multiple of the groups of kWidth
+// lanes); without, one per group (see for_each_channel_first_item).
+template <bool kMasked, int kWidth = kLanes, int kMaskedChannels = kUniformChannels>
 constexpr int channels_per_item() {
-  return kMasked ? kUniformChannels : kLanes / kWidth;
+  return kMasked ? kMaskedChannels : kLanes / kWidth;
 }
 
 // The warp items of a channel-first kernel with rows cut into `chunks` chunks.
-template <bool kMasked, int kWidth = kLanes>
+template <bool kMasked, int kWidth = kLanes, int kMaskedChannels = kUniformChannels>
 __host__ __device__ __forceinline__ int64_t channel_first_items(const ConvParams& p,
                                                                 int64_t chunks) {
-  constexpr int G = channels_per_item<kMasked, kWidth>();
+  constexpr int G = channels_per_item<kMasked, kWidth, kMaskedChannels>();
   return p.batch * ((p.channels + G - 1) / G) * chunks;
 }
 
@@ -756,25 +756,26 @@ __device__ __forceinline__ void halo_after(const U (&own)[V], const U (&next)[V]
 enum class ItemKept { kNothing, kChannels, kRows };
 
 // Runs run(item, uniform) for this warp's channel-first items (a grid-stride loop over warps) of
-// rows cut as split says (channels_per_item<kMasked, kWidth>() channels per item). With seq_idx
-// the channels of an item share one UniformSegments, found over its segments from c0 to
-// min(c1 + extra, L): the times it loads (the backward's dx also needs the P after its own).
-// Without seq_idx, all zero. kKept: see ItemKept. kWidth < 32: segments of kWidth packs (see
+// rows cut as split says (channels_per_item<kMasked, kWidth, kMaskedChannels>() channels per
+// item). With seq_idx the channels of an item share one UniformSegments, found over its segments
+// from c0 to min(c1 + extra, L): the times it loads (the backward's dx also needs the P after its
+// own). Without seq_idx, all zero. kKept: see ItemKept (where the groups take the item in one
+// turn, nothing is held through it). kWidth < 32: segments of kWidth packs (see
 // uniform_segments), and each group of kWidth lanes takes its own channel of the item at a time,
 // the groups consecutive ones; where the item has fewer left, the last again (the groups then
 // store the same values to the same places).
 template <int V, int P, bool kMasked, ItemKept kKept = ItemKept::kNothing, int kWidth = kLanes,
-          typename Run>
+          int kMaskedChannels = kUniformChannels, typename Run>
 __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
                                                             const ChannelFirstSplit& split,
                                                             int64_t extra, const Run& run) {
   constexpr int64_t kSegment = kWidth * V;
   constexpr int kGroups = kLanes / kWidth;
-  constexpr int G = channels_per_item<kMasked, kWidth>();
+  constexpr int G = channels_per_item<kMasked, kWidth, kMaskedChannels>();
   static_assert(kGroups == 1 || G > 1, "groups of lanes share an item's segments");
   static_assert(kMasked || G == kGroups, "without seq_idx an item is one channel a group");
   const int lane = threadIdx.x % kLanes;
-  const int64_t items = channel_first_items<kMasked, kWidth>(p, split.chunks.d);
+  const int64_t items = channel_first_items<kMasked, kWidth, kMaskedChannels>(p, split.chunks.d);
   const int64_t warps_per_grid = int64_t{gridDim.x} * (blockDim.x / kLanes);
   for (int64_t i = blockIdx.x * int64_t{blockDim.x / kLanes} + threadIdx.x / kLanes;
        i < items; i += warps_per_grid) {
@@ -792,17 +793,18 @@ __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
       }
       int channels = static_cast<int>(std::min<int64_t>(G, p.channels - first.d));
       ChannelFirstItem item = first;
-      if constexpr (kKept == ItemKept::kRows) {
+      constexpr bool kOneTurn = G == kGroups;  // each group of lanes one channel of the item
+      if constexpr (kKept == ItemKept::kRows && !kOneTurn) {
         asm("" : "+r"(channels), "+l"(item.row), "+l"(item.param_row));
-      } else if constexpr (kKept == ItemKept::kChannels) {
+      } else if constexpr (kKept == ItemKept::kChannels && !kOneTurn) {
         asm("" : "+r"(channels));
       }
       if constexpr (kGroups == 1) {
         for (int g = 0; g < channels; ++g) run(item.channel(g), uniform);
       } else {
-        // Without seq_idx one turn (G = kGroups), bounded so that the compiler sees it: to the
-        // channel count the loop cost the unmasked bf16 K = 5 and 6 backward 12 bytes of spills.
-        const int group = lane / kWidth, loop_channels = kMasked ? channels : 1;
+        // One turn where kOneTurn, bounded so that the compiler sees it: to the channel count
+        // the loop cost the unmasked bf16 K = 5 and 6 backward 12 bytes of spills.
+        const int group = lane / kWidth, loop_channels = kOneTurn ? 1 : channels;
         for (int g = 0; g < loop_channels; g += kGroups) {
           run(item.channel(std::min(g + group, channels - 1)), uniform);
         }

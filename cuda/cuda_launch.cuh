@@ -78,13 +78,14 @@ int64_t short_row_blocks(const ConvParams& p, int group) {
   return std::max<int64_t>(1, std::min(kMaxGridBlocks, (warps * kLanes + kThreads - 1) / kThreads));
 }
 
-// channel_first_chunk for kKernel's launch: its warp items of one chunk per row, and the warps the
-// device holds of it; segments of kWidth packs.
-template <auto kKernel, typename T, bool kMasked, int kWidth = kLanes>
+// channel_first_chunk for kKernel's launch: its warp items of one chunk per row (as
+// channel_first_items), and the warps the device holds of it; segments of kWidth packs.
+template <auto kKernel, typename T, bool kMasked, int kWidth = kLanes,
+          int kMaskedChannels = kUniformChannels>
 int64_t channel_first_chunk_for(const ConvParams& p, int64_t max_segments) {
   const int64_t resident_warps = resident_threads<kKernel>(kChannelFirstThreads) / kLanes;
-  return channel_first_chunk(channel_first_items<kMasked, kWidth>(p, 1), p.length,
-                             int64_t{kWidth} * kPack<T>, resident_warps, max_segments);
+  return channel_first_chunk(channel_first_items<kMasked, kWidth, kMaskedChannels>(p, 1),
+                             p.length, int64_t{kWidth} * kPack<T>, resident_warps, max_segments);
 }
 
 }  // namespace causal_conv

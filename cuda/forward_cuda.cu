@@ -113,13 +113,14 @@ bool launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
   // With seq_idx the rows are cut in segments of 32 V times at either width, as many as
   // uniform_segments' masks (kUniformSegments segments of kWidth packs) cover: in the halves'
   // segments of 16 V times, channel_first_chunk's model would cut B=8 L=2048 D=4096's packed rows
-  // in two (7 waves of half rows against 4 of whole ones; predicted slower, each item's start and
-  // mask checks paid twice a row).
+  // in two (with items of four rows, 7 waves of half rows against 4 of whole ones; predicted
+  // slower, each item's start and mask checks paid twice a row).
   constexpr int kChunkWidth = kMasked ? kLanes : kWidth;
-  const int64_t chunk_len = channel_first_chunk_for<kernel, T, kMasked, kChunkWidth>(
+  constexpr int kItemChannels = channel_first_forward_item_channels<T, K>();
+  const int64_t chunk_len = channel_first_chunk_for<kernel, T, kMasked, kChunkWidth, kItemChannels>(
       p, forward_item_segments<kMasked>() * kWidth / kChunkWidth);
-  const ChannelFirstSplit split(p, chunk_len, channels_per_item<kMasked, kWidth>());
-  const int64_t items = channel_first_items<kMasked, kWidth>(p, split.chunks.d);
+  const ChannelFirstSplit split(p, chunk_len, channels_per_item<kMasked, kWidth, kItemChannels>());
+  const int64_t items = channel_first_items<kMasked, kWidth, kItemChannels>(p, split.chunks.d);
   kernel<<<grid_for_warps(items), kChannelFirstThreads, 0, stream>>>(p, split);
   return channel_first_forward_final_state<T, K, kMasked>();
 }

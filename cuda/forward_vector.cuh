@@ -308,24 +308,23 @@ constexpr ItemKept channel_first_forward_kept() {
   return K == 2 || K == 4 ? ItemKept::kRows : ItemKept::kChannels;
 }
 
-// Whether the channel-first forward's warps take two rows at once, one in each half of 16 lanes,
-// in segments of 16 V times: with seq_idx, for 16-bit T. A sequence boundary then makes the
-// segments of 16 V times around it masked instead of those of 32 V, at the same instructions a
-// warp's segment (bf16 K = 4: 124 uniform, 187 masked): at four sequences a row of 2048 at three
-// random cuts (bench.py's features case) 2.7 of a row's 8 segments of 256 times were masked, in
-// halves 2.9 of its 16 of 128, which the warp takes two rows at a time (1.45 a row's 8 warp
-// segments). uniform_segments then checks twice the segments, two a ballot, once per item of
-// kUniformChannels rows; an item takes two runs (weights, carry, first loads, tail) instead of
-// four. On the H200 (twentieth session, packed BDL fwd, us) the halves took K = 6 100.7 -> 94.6
-// and K = 8 110.0 -> 100.8, but K = 2 83.8 -> 84.9 and K = 4 83.8 -> 86.7 (f16 83.2 -> 86.3;
-// 16-bit K = 4 also lost its kept rows, which spilled): where a uniform segment is cheap, a run's
-// fixed cost and the masked share weigh less than the halves' extra shuffles and twice the
-// uniform_segments checks. So K >= 6 only. The halves are for_each_channel_first_item's kWidth
-// 16, as in the backward; until the twenty-second session the kernel paired an item's channels
-// itself, at width 32 with uniform_segments on packs of V / 2 entries (so not f32, whose fours
-// load_segments cannot halve; f32 halves have not been tried since), which took about 120
-// instructions more an item of four rows of 16 segments at K = 6 and 8, 80 at K = 7 (SASS, bf16
-// and f16: a ballot a segment, and turns for the odd channels).
+// Whether the channel-first forward's warps take two rows at once, one in each half of 16 lanes, in
+// segments of 16 V times: with seq_idx, for 16-bit T. A sequence boundary then makes the segments
+// of 16 V times around it masked instead of those of 32 V, at the same instructions a warp's
+// segment (bf16 K = 4: 124 uniform, 187 masked): at four sequences a row of 2048 at three random
+// cuts (bench.py's features case) 2.7 of a row's 8 segments of 256 times were masked, in halves 2.9
+// of its 16 of 128, which the warp takes two rows at a time (1.45 a row's 8 warp segments).
+// uniform_segments then checks twice the segments, two a ballot, once per item (see
+// channel_first_forward_item_channels). On the H200 (twentieth session, packed BDL fwd, us) the
+// halves took K = 6 100.7 -> 94.6 and K = 8 110.0 -> 100.8, but K = 2 83.8 -> 84.9 and K = 4 83.8
+// -> 86.7 (f16 83.2 -> 86.3; 16-bit K = 4 also lost its kept rows, which spilled): where a uniform
+// segment is cheap, a run's fixed cost and the masked share weigh less than the halves' extra
+// shuffles and twice the uniform_segments checks. So K >= 6 only. The halves are
+// for_each_channel_first_item's kWidth 16, as in the backward; until the twenty-second session the
+// kernel paired an item's channels itself, at width 32 with uniform_segments on packs of V / 2
+// entries (so not f32, whose fours load_segments cannot halve; f32 halves have not been tried
+// since), which took about 120 instructions more an item of four rows of 16 segments at K = 6 and
+// 8, 80 at K = 7 (SASS, bf16 and f16: a ballot a segment, and turns for the odd channels).
 template <typename T, int K, bool kMasked>
 constexpr bool channel_first_forward_halves() {
   return kMasked && sizeof(T) == 2 && K >= 6;
@@ -350,18 +349,34 @@ constexpr int channel_first_forward_width() {
   return channel_first_forward_halves<T, K, kMasked>() || plain_halves ? kLanes / 2 : kLanes;
 }
 
+// Channels per masked channel-first forward item: kUniformChannels, whose rows share one
+// uniform_segments check; with the halves, one per half (an item in one turn, as without seq_idx).
+// Items of four channels in halves took two turns, and the launch's model then kept B=8 L=2048
+// D=4096's rows whole in 3.1 waves; in pairs it keeps them whole in 6.2 waves. H200 trace, packed
+// BDL fwd (twenty-third session, trial-cf-fwd-rows): bf16 K = 8 98.5 / 97.8 -> 94.4 / 95.0 us. One
+// channel an item at full width there (the plain kernel's grid: 7 blocks per SM at bf16 K = 4
+// instead of 6, 8.9 waves instead of 2.6) lost: bf16 K = 4 83.8 -> 92.1 us, B = 7 76.5 -> 81.2, B =
+// 9 90.3 -> 102.9, f32 K = 7 unchanged: each row's own uniform_segments check cost more than the
+// finer grid saved.
+template <typename T, int K>
+constexpr int channel_first_forward_item_channels() {
+  constexpr int kWidth = channel_first_forward_width<T, K, true>();
+  return channel_first_forward_halves<T, K, true>() ? kLanes / kWidth : kUniformChannels;
+}
+
 // (B, D, L), L a multiple of the pack V: a warp streams chunk_len times of one (b, d) row, lane l
 // owning V consecutive times of each 32 V-time segment (with channel_first_forward_width 16, of two
 // rows, each half of the warp one row's segments of 16 V times); the K-1 inputs before a lane's
 // pack come from its lower neighbours by shuffle. The next kForwardAhead segments' packs are in
 // flight.
 //
-// With seq_idx (items of at most kUniformSegments segments and of kUniformChannels channels, whose
-// uniform segments the warp finds once), the uniform segments run the unmasked arithmetic; the
-// others load their lanes' seq_idx windows and apply the masks, on the inputs the carry gave them
-// like any segment. A second pass over those segments after the loop, loading their packs and
-// halos again, kept the masked arithmetic's registers out of the loop but cost more than it saved
-// (see channel_first_forward_min_blocks): 104.2 us against 96.8 on the packed workload.
+// With seq_idx (items of at most kUniformSegments segments and of
+// channel_first_forward_item_channels channels, whose uniform segments the warp finds once), the
+// uniform segments run the unmasked arithmetic; the others load their lanes' seq_idx windows and
+// apply the masks, on the inputs the carry gave them like any segment. A second pass over those
+// segments after the loop, loading their packs and halos again, kept the masked arithmetic's
+// registers out of the loop but cost more than it saved (see channel_first_forward_min_blocks):
+// 104.2 us against 96.8 on the packed workload.
 template <typename T, int K, bool kMasked>
 __global__ void
 __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, kMasked>())
@@ -462,7 +477,8 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
   };
   constexpr ItemKept kKept = kMasked ? channel_first_forward_kept<T, K>() : ItemKept::kNothing;
   const auto run_items = [&](auto silu) {
-    for_each_channel_first_item<V, P, kMasked, kKept, kWidth>(
+    for_each_channel_first_item<V, P, kMasked, kKept, kWidth,
+                                channel_first_forward_item_channels<T, K>()>(
         p, split, 0,
         [&](const ChannelFirstItem& item, UniformSegments masks) { run(item, masks, silu); });
   };
