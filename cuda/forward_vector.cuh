@@ -35,7 +35,11 @@ constexpr int forward_channel_last_min_blocks() {
 
 // Widths from which the unmasked channel-last forward loads its weights in runs (load_weight_runs):
 // one scalar load a weight cost a warp-piece 296, 400 and 520 L1 line lookups at bf16 K = 6, 7, 8
-// (weights in bf16; 38, 100 and 66 in runs). The narrower and the masked kernels keep the scalar
+// (weights in bf16; 38, 100 and 66 in runs). H200 traces, BLD fwd bf16 B=8 L=2048 D=4096
+// (twenty-third session): K = 8 88.85 / 88.30 -> 78.14 / 78.19 us, K = 7 75.46 / 75.58 -> 72.70 /
+// 72.66, K = 6 73.42 -> 72.72; f16 K = 8 90.26 -> 77.68. Bounding the 16-bit K = 7-8 kernels at 5
+// blocks per SM on top (95-96 registers instead of 111-120) lost at bf16 (K = 8 81.5, K = 7 73.9)
+// and gained 1.2 at f16 K = 8: not taken. The narrower and the masked kernels keep the scalar
 // loads, untimed with runs.
 constexpr int kWeightRunsWidth = 6;
 
