@@ -255,11 +255,12 @@ constexpr int channel_first_forward_min_blocks() {
   return K == 5 ? 9 : 0;
 }
 
-// Segments a turn of the channel-first forward's loop takes: kForwardAhead, so that the slots of
-// the packs in flight stay in place (a queue shifted each segment cost a move per word, about 1.75
-// instructions per element at bf16 K = 4), where the unrolled turn fits the blocks of
-// channel_first_forward_min_blocks without spilling; else 1: unrolled, the unmasked 16-bit K = 6
-// and 8 and f32 K >= 5 spilled 12-32 bytes there or took a block fewer.
+// Segments a turn of the channel-first forward's loop takes: kForwardAhead + 1, the ring of
+// channel_first_forward_slots, so that the slots of the packs in flight stay in place (a queue
+// shifted each segment cost a move per word, about 1.75 instructions per element at bf16 K = 4),
+// where the unrolled turn fits the blocks of channel_first_forward_min_blocks without spilling;
+// else 1: unrolled, the unmasked 16-bit K = 6 and 8 and f32 K >= 5 spilled 12-32 bytes there or
+// took a block fewer. The counts and times below are of turns of kForwardAhead, before the ring.
 //
 // The masked kernels all unroll (with the masked segments' outputs free of branches, at the bounds
 // above). Instructions a segment, uniform / masked, one segment a turn -> kForwardAhead:
@@ -278,9 +279,23 @@ constexpr int channel_first_forward_min_blocks() {
 // 86.1 us at 6 blocks against 7 blocks of one segment a turn (eighteenth session).
 template <typename T, int K, bool kMasked>
 constexpr int channel_first_forward_turn() {
-  if constexpr (kMasked) return kForwardAhead;
-  if constexpr (sizeof(T) == 2) return K <= 5 || K == 7 ? kForwardAhead : 1;
-  return K <= 4 ? kForwardAhead : 1;
+  constexpr int kRing = kForwardAhead + 1;
+  if constexpr (kMasked) return kRing;
+  if constexpr (sizeof(T) == 2) return K <= 5 || K == 7 ? kRing : 1;
+  return K <= 4 ? kRing : 1;
+}
+
+// Slots of the packs a channel-first forward lane has in flight, for turns of `turn` segments: a
+// ring of kForwardAhead + 1, where segment a of a turn widens slot a and loads segment a +
+// kForwardAhead's pack into slot a - 1, which the segment before widened. With kForwardAhead
+// slots, each segment's load going into the slot it widened, ptxas issued the load before the
+// widen into other registers and copied them back at the turn's end, waiting there for the loads
+// it had just issued (sm_90 SASS, bf16 K = 4: 12 moves at the masked loop's end waiting on all
+// three loads; the plain loop's moves 16 instructions after its loads), so a warp had one turn's
+// loads in flight, not kForwardAhead segments' (benchmarks/RESULTS.md, twenty-third session). One
+// segment a turn keeps the kForwardAhead slots, shifted each turn.
+constexpr int channel_first_forward_slots(int turn) {
+  return turn == 1 ? kForwardAhead : kForwardAhead + 1;
 }
 
 // Whether the channel-first forward writes the final state itself, from its last segment (the
@@ -390,6 +405,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
   constexpr int kWidth = channel_first_forward_width<T, K, kMasked>();
   constexpr int64_t kSegment = kWidth * V;
   constexpr int kTurn = channel_first_forward_turn<T, K, kMasked>();
+  constexpr int kSlots = channel_first_forward_slots(kTurn);
   constexpr bool kFinalState = channel_first_forward_final_state<T, K, kMasked>();
   const int lane = threadIdx.x % kWidth;
   const T* x = static_cast<const T*>(p.x);
@@ -415,20 +431,21 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
                    : static_cast<const T*>(p.initial_state) + item.row * P,
                item.c0);
     // The lane's packs of the next kForwardAhead segments, loaded before they are needed, the next
-    // segment's in ahead[0]; a turn of the loop takes kTurn segments (ahead[a]: segment a's), then
-    // moves the slots by kTurn (none with kTurn = kForwardAhead).
-    RawFor<T, V> ahead[kForwardAhead];
+    // segment's in ahead[0]; a turn of the loop takes kTurn segments (ahead[a % kSlots]: segment
+    // a's), then moves the slots by kTurn (none with kTurn = kSlots).
+    RawFor<T, V> ahead[kSlots];
     for (int a = 0; a < kForwardAhead; ++a) {
       const int64_t s = item.c0 + a * kSegment;
       ahead[a] = load_readonly_or_zero<T, V>(x + lane_at + s, s < lane_end);
     }
     uint32_t uniform = masks.before;  // bit 0: the next segment's
-    // Segment s from its slot, which then receives the pack of segment s + kForwardAhead kSegment
-    // where that is the item's (else it keeps a pack that only lanes whose outputs are not stored
-    // read). whole (std::true_type): every lane's pack of s is the item's. With kFinalState the
-    // others (then the item's last segment) also write the final state, in the lane whose pack
+    // Segment s from its slot; slot_ahead then receives the pack of segment s + kForwardAhead
+    // kSegment where that is the item's (else it keeps a pack that only lanes whose outputs are not
+    // stored read). whole (std::true_type): every lane's pack of s is the item's. With kFinalState
+    // the others (then the item's last segment) also write the final state, in the lane whose pack
     // ends the row.
-    const auto segment = [&](int64_t s, RawFor<T, V>& slot, auto whole) {
+    const auto segment = [&](int64_t s, const RawFor<T, V>& slot, RawFor<T, V>& slot_ahead,
+                             auto whole) {
       constexpr bool kWhole = decltype(whole)::value;
       const bool ends_row =
           kFinalState && !kWhole && p.final_state != nullptr && s + (lane + 1) * V == p.length;
@@ -438,7 +455,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
       widen(from_raw<T, V>(slot), own);
       const int64_t s_ahead = s + kForwardAhead * kSegment;
       if (s_ahead < lane_end) {
-        slot = __ldg(reinterpret_cast<const RawFor<T, V>*>(x + lane_at + s_ahead));
+        slot_ahead = __ldg(reinterpret_cast<const RawFor<T, V>*>(x + lane_at + s_ahead));
       }
       float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}, t0 = s + lane V
       carry.template advance<V, kWidth>(own, lane, xs);
@@ -467,16 +484,22 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
     const int64_t steady_end = kFinalState ? item.c1 - 1 : item.c1;  // last segment: the tail's
     for (; s + kTurn * kSegment <= steady_end; s += kTurn * kSegment) {
 #pragma unroll
-      for (int a = 0; a < kTurn; ++a) segment(s + a * kSegment, ahead[a], std::true_type{});
-      if constexpr (kTurn < kForwardAhead) {
-        RawFor<T, V> moved[kForwardAhead];
-        for (int a = 0; a < kForwardAhead; ++a) moved[a] = ahead[(a + kTurn) % kForwardAhead];
-        for (int a = 0; a < kForwardAhead; ++a) ahead[a] = moved[a];
+      for (int a = 0; a < kTurn; ++a) {
+        segment(s + a * kSegment, ahead[a % kSlots], ahead[(a + kForwardAhead) % kSlots],
+                std::true_type{});
+      }
+      if constexpr (kTurn < kSlots) {
+        RawFor<T, V> moved[kSlots];
+        for (int a = 0; a < kSlots; ++a) moved[a] = ahead[(a + kTurn) % kSlots];
+        for (int a = 0; a < kSlots; ++a) ahead[a] = moved[a];
       }
     }
 #pragma unroll
     for (int a = 0; a < kTurn; ++a) {
-      if (s + a * kSegment < item.c1) segment(s + a * kSegment, ahead[a], std::false_type{});
+      if (s + a * kSegment < item.c1) {
+        segment(s + a * kSegment, ahead[a % kSlots], ahead[(a + kForwardAhead) % kSlots],
+                std::false_type{});
+      }
     }
   };
   constexpr ItemKept kKept = kMasked ? channel_first_forward_kept<T, K>() : ItemKept::kNothing;
