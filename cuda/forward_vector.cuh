@@ -217,6 +217,19 @@ __device__ __forceinline__ void store_final_state(T* state_row, const float (&xs
 // Segments whose packs a channel-first lane has in flight: with one, a warp waited for every load.
 constexpr int kForwardAhead = 3;
 
+// Slots of the channel-first forward's cp.async ring of x packs (a RowRing, whose depth is a power
+// of two): the kForwardAhead packs in flight and the one the segment reads. Until the
+// twenty-fourth session the packs in flight were registers: ptxas issued each segment's load
+// ahead into registers other than its slot's and copied them into the slot under the load's
+// predicate a few instructions later, waiting there for the load, and with every x load on one
+// scoreboard a wait for one was a wait for all (sm_90 SASS, bf16 K = 4: the masked loop waited at
+// each turn's end for the three loads of that turn, the plain loop for two of its three about 20
+// instructions after issue; benchmarks/RESULTS.md, twenty-third session). A ring of four register
+// slots with turns of four segments kept the copies in the plain loop, put the masked loop's wait
+// for its four loads two instructions after the last, and spilled at the bounds below.
+// cp.async.wait_group waits for the oldest groups only, and the copies hold no registers.
+constexpr int kForwardRing = 4;
+
 // Blocks of kChannelFirstThreads per SM the channel-first forward's registers must allow (0: no
 // bound). The masked kernel computes its masked segments in its loop (the seq_idx window, its
 // compares and selects held there). On the packed workload (bf16 K = 4, B=8 L=2048 D=4096, 4
@@ -255,12 +268,15 @@ constexpr int channel_first_forward_min_blocks() {
   return K == 5 ? 9 : 0;
 }
 
-// Segments a turn of the channel-first forward's loop takes: kForwardAhead + 1, the ring of
-// channel_first_forward_slots, so that the slots of the packs in flight stay in place (a queue
-// shifted each segment cost a move per word, about 1.75 instructions per element at bf16 K = 4),
-// where the unrolled turn fits the blocks of channel_first_forward_min_blocks without spilling;
-// else 1: unrolled, the unmasked 16-bit K = 6 and 8 and f32 K >= 5 spilled 12-32 bytes there or
-// took a block fewer. The counts and times below are of turns of kForwardAhead, before the ring.
+// Segments a turn of the channel-first forward's loop takes: kForwardRing, so that the ring's slots
+// are immediates (until the twenty-fourth session kForwardAhead, the packs in flight in registers
+// kept in place: a queue shifted each segment cost a move per word, about 1.75 instructions per
+// element at bf16 K = 4), where the unrolled turn fits the blocks of
+// channel_first_forward_min_blocks without spilling; else 1: unrolled, the unmasked 16-bit K = 6
+// and 8 and f32 K >= 5 spilled 12-32 bytes there or took a block fewer (with the packs in
+// registers), and with the ring f16 K = 2, 16-bit K = 5 and bf16 K = 7 spilled 8-24 bytes (at one
+// segment a turn: 40-55 registers, no spills). The counts and times below are of turns of
+// kForwardAhead, before the ring.
 //
 // The masked kernels all unroll (with the masked segments' outputs free of branches, at the bounds
 // above). Instructions a segment, uniform / masked, one segment a turn -> kForwardAhead:
@@ -279,23 +295,10 @@ constexpr int channel_first_forward_min_blocks() {
 // 86.1 us at 6 blocks against 7 blocks of one segment a turn (eighteenth session).
 template <typename T, int K, bool kMasked>
 constexpr int channel_first_forward_turn() {
-  constexpr int kRing = kForwardAhead + 1;
-  if constexpr (kMasked) return kRing;
-  if constexpr (sizeof(T) == 2) return K <= 5 || K == 7 ? kRing : 1;
-  return K <= 4 ? kRing : 1;
-}
-
-// Slots of the packs a channel-first forward lane has in flight, for turns of `turn` segments: a
-// ring of kForwardAhead + 1, where segment a of a turn widens slot a and loads segment a +
-// kForwardAhead's pack into slot a - 1, which the segment before widened. With kForwardAhead
-// slots, each segment's load going into the slot it widened, ptxas issued the load before the
-// widen into other registers and copied them back at the turn's end, waiting there for the loads
-// it had just issued (sm_90 SASS, bf16 K = 4: 12 moves at the masked loop's end waiting on all
-// three loads; the plain loop's moves 16 instructions after its loads), so a warp had one turn's
-// loads in flight, not kForwardAhead segments' (benchmarks/RESULTS.md, twenty-third session). One
-// segment a turn keeps the kForwardAhead slots, shifted each turn.
-constexpr int channel_first_forward_slots(int turn) {
-  return turn == 1 ? kForwardAhead : kForwardAhead + 1;
+  if constexpr (kMasked) return kForwardRing;
+  if constexpr (std::is_same_v<T, __half>) return K == 3 || K == 4 ? kForwardRing : 1;
+  if constexpr (sizeof(T) == 2) return K <= 4 ? kForwardRing : 1;
+  return K <= 4 ? kForwardRing : 1;
 }
 
 // Whether the channel-first forward writes the final state itself, from its last segment (the
@@ -387,7 +390,7 @@ constexpr int channel_first_forward_item_channels() {
 // owning V consecutive times of each 32 V-time segment (with channel_first_forward_width 16, of two
 // rows, each half of the warp one row's segments of 16 V times); the K-1 inputs before a lane's
 // pack come from its lower neighbours by shuffle. The next kForwardAhead segments' packs are in
-// flight.
+// flight, through a cp.async ring in shared memory (kForwardRing).
 //
 // With seq_idx (items of at most kUniformSegments segments and of
 // channel_first_forward_item_channels channels, whose uniform segments the warp finds once), the
@@ -405,11 +408,13 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
   constexpr int kWidth = channel_first_forward_width<T, K, kMasked>();
   constexpr int64_t kSegment = kWidth * V;
   constexpr int kTurn = channel_first_forward_turn<T, K, kMasked>();
-  constexpr int kSlots = channel_first_forward_slots(kTurn);
+  using Word = RawFor<T, V>;
   constexpr bool kFinalState = channel_first_forward_final_state<T, K, kMasked>();
   const int lane = threadIdx.x % kWidth;
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
+  __shared__ Word x_slots[kForwardRing * kChannelFirstThreads];
+  const RowRing<kForwardRing, Word, kChannelFirstThreads> x_ring{x_slots};
   // The item's channel `item` (times [c0, c1)), at width 16 the half's own (see
   // for_each_channel_first_item: past the item's channels the upper half repeats the lower half's
   // row, storing the same values at the same addresses; a test of each store instead spilled 8
@@ -430,33 +435,31 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
                    ? nullptr
                    : static_cast<const T*>(p.initial_state) + item.row * P,
                item.c0);
-    // The lane's packs of the next kForwardAhead segments, loaded before they are needed, the next
-    // segment's in ahead[0]; a turn of the loop takes kTurn segments (ahead[a % kSlots]: segment
-    // a's), then moves the slots by kTurn (none with kTurn = kSlots).
-    RawFor<T, V> ahead[kSlots];
-    for (int a = 0; a < kForwardAhead; ++a) {
-      const int64_t s = item.c0 + a * kSegment;
-      ahead[a] = load_readonly_or_zero<T, V>(x + lane_at + s, s < lane_end);
-    }
+    // The lane's packs of the next kForwardAhead segments, in the ring's slots (the item's segment
+    // j in slot j: turn_step, the ring step of the turn's first segment, stays 0 with kTurn =
+    // kForwardRing, so that the slots are immediates). A pack past lane_end is not fetched: its
+    // slot holds an older pack, which only lanes whose outputs are not stored read.
+    int turn_step = 0;
+    const auto fetch = [&](int64_t s, int step) {
+      x_ring.fetch(step, x + lane_at + s, s < lane_end);
+      ring_commit();
+    };
+    for (int a = 0; a < kForwardAhead; ++a) fetch(item.c0 + a * kSegment, a);
     uint32_t uniform = masks.before;  // bit 0: the next segment's
-    // Segment s from its slot; slot_ahead then receives the pack of segment s + kForwardAhead
-    // kSegment where that is the item's (else it keeps a pack that only lanes whose outputs are not
-    // stored read). whole (std::true_type): every lane's pack of s is the item's. With kFinalState
-    // the others (then the item's last segment) also write the final state, in the lane whose pack
-    // ends the row.
-    const auto segment = [&](int64_t s, const RawFor<T, V>& slot, RawFor<T, V>& slot_ahead,
-                             auto whole) {
+    // Segment s from its ring step's slot, then the fetch of segment s + kForwardAhead kSegment
+    // into the slot the segment before it read. whole (std::true_type): every lane's pack of s is
+    // the item's. With kFinalState the others (then the item's last segment) also write the final
+    // state, in the lane whose pack ends the row.
+    const auto segment = [&](int64_t s, int step, auto whole) {
       constexpr bool kWhole = decltype(whole)::value;
       const bool ends_row =
           kFinalState && !kWhole && p.final_state != nullptr && s + (lane + 1) * V == p.length;
       const bool masked = kMasked && !(uniform & 1u);
       uniform >>= 1;
       float own[V];
-      widen(from_raw<T, V>(slot), own);
-      const int64_t s_ahead = s + kForwardAhead * kSegment;
-      if (s_ahead < lane_end) {
-        slot_ahead = __ldg(reinterpret_cast<const RawFor<T, V>*>(x + lane_at + s_ahead));
-      }
+      ring_wait<kForwardAhead - 1>();
+      widen(x_ring.template read<T, V>(step), own);
+      fetch(s + kForwardAhead * kSegment, step + kForwardAhead);
       float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}, t0 = s + lane V
       carry.template advance<V, kWidth>(own, lane, xs);
       float out[V];
@@ -484,22 +487,12 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
     const int64_t steady_end = kFinalState ? item.c1 - 1 : item.c1;  // last segment: the tail's
     for (; s + kTurn * kSegment <= steady_end; s += kTurn * kSegment) {
 #pragma unroll
-      for (int a = 0; a < kTurn; ++a) {
-        segment(s + a * kSegment, ahead[a % kSlots], ahead[(a + kForwardAhead) % kSlots],
-                std::true_type{});
-      }
-      if constexpr (kTurn < kSlots) {
-        RawFor<T, V> moved[kSlots];
-        for (int a = 0; a < kSlots; ++a) moved[a] = ahead[(a + kTurn) % kSlots];
-        for (int a = 0; a < kSlots; ++a) ahead[a] = moved[a];
-      }
+      for (int a = 0; a < kTurn; ++a) segment(s + a * kSegment, turn_step + a, std::true_type{});
+      if constexpr (kTurn < kForwardRing) turn_step += kTurn;
     }
 #pragma unroll
     for (int a = 0; a < kTurn; ++a) {
-      if (s + a * kSegment < item.c1) {
-        segment(s + a * kSegment, ahead[a % kSlots], ahead[(a + kForwardAhead) % kSlots],
-                std::false_type{});
-      }
+      if (s + a * kSegment < item.c1) segment(s + a * kSegment, turn_step + a, std::false_type{});
     }
   };
   constexpr ItemKept kKept = kMasked ? channel_first_forward_kept<T, K>() : ItemKept::kNothing;
