@@ -297,7 +297,6 @@ template <typename T, int K, bool kMasked>
 constexpr int channel_first_forward_turn() {
   if constexpr (kMasked) return kForwardRing;
   if constexpr (std::is_same_v<T, __half>) return K == 3 || K == 4 ? kForwardRing : 1;
-  if constexpr (sizeof(T) == 2) return K <= 4 ? kForwardRing : 1;
   return K <= 4 ? kForwardRing : 1;
 }
 
