@@ -342,10 +342,8 @@ struct Conv {
   // The direct path of the final state: dF[j] lands on x_{L-P+j} as is, where dF is given and
   // x_{L-P+j} is in F. final_state_row(u) is the j of time u (negative before the state's times).
   CAUSAL_CONV_HD int64_t final_state_row(int64_t u) const { return u - (p.length - state_len()); }
-  // (Negated as final_state_grad's test was written: the plain && form compiles 81 of the 117
-  // backward kernels differently for sm_90, and that code has not run on a GPU.)
   CAUSAL_CONV_HD bool final_state_grad_kept(int64_t b, int64_t j) const {
-    return !(p.dfinal_state == nullptr || j < 0 || !final_state_kept(b, j));
+    return p.dfinal_state != nullptr && j >= 0 && final_state_kept(b, j);
   }
   CAUSAL_CONV_HD A final_state_grad(int64_t b, int64_t u, int64_t d) const {
     const int64_t j = final_state_row(u);
