@@ -489,10 +489,11 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
       for (int a = 0; a < kTurn; ++a) segment(s + a * kSegment, turn_step + a, std::true_type{});
       if constexpr (kTurn < kForwardRing) turn_step += kTurn;
     }
-#pragma unroll
-    for (int a = 0; a < kTurn; ++a) {
-      if (s + a * kSegment < item.c1) segment(s + a * kSegment, turn_step + a, std::false_type{});
+    if constexpr (kTurn > 1) {
+#pragma unroll 1
+      for (; s + kSegment <= steady_end; s += kSegment) segment(s, turn_step++, std::true_type{});
     }
+    if (s < item.c1) segment(s, turn_step, std::false_type{});
   };
   constexpr ItemKept kKept = kMasked ? channel_first_forward_kept<T, K>() : ItemKept::kNothing;
   const auto run_items = [&](auto silu) {
