@@ -227,7 +227,10 @@ constexpr int kForwardAhead = 3;
 // instructions after issue; benchmarks/RESULTS.md, twenty-third session). A ring of four register
 // slots with turns of four segments kept the copies in the plain loop, put the masked loop's wait
 // for its four loads two instructions after the last, and spilled at the bounds below.
-// cp.async.wait_group waits for the oldest groups only, and the copies hold no registers.
+// cp.async.wait_group waits for the oldest groups only, and the copies hold no registers. On the
+// H200 (bf16 B=8 L=2048 D=4096, benchmarks/RESULTS.md, twenty-fourth session) the plain forward
+// went 68.7 -> 67.8 us at K = 4 and 79.1 -> 70.7 at K = 8, the packed one 83.6 -> 81.9 at K = 4,
+// 89.9 -> 80.5 at K = 6 and 94.7 -> 89.8 at K = 8.
 constexpr int kForwardRing = 4;
 
 // Blocks of kChannelFirstThreads per SM the channel-first forward's registers must allow (0: no
@@ -245,7 +248,9 @@ constexpr int kForwardRing = 4;
 //         the outputs at padding zeroed on the narrowed words, it took 112-121 registers).
 // One block fewer than with one segment a turn for f16 K = 3 (7 blocks spilled 16 bytes) and f32
 // K = 7 (6 blocks spilled 16 bytes). Where 5 blocks is all that fits, ptxas left free took 96
-// registers or fewer without spilling and a loop 1-6% shorter than at a bound of 5.
+// registers or fewer without spilling and a loop 1-6% shorter than at a bound of 5. With the ring
+// (kForwardRing) the masked kernels left free take fewer: 16-bit K = 6 72-79 (7 and 6 blocks),
+// K = 7 80 (6), K = 8 90 (5), f32 K = 7 83 (6).
 //
 // Unmasked 16-bit kernels up to K = 4 asked for 9 blocks (56 registers, no spills): on the main
 // workload that took 81.5 us against 85.3 with 4 blocks of 256 (63 registers). With the loop's
@@ -275,8 +280,11 @@ constexpr int channel_first_forward_min_blocks() {
 // channel_first_forward_min_blocks without spilling; else 1: unrolled, the unmasked 16-bit K = 6
 // and 8 and f32 K >= 5 spilled 12-32 bytes there or took a block fewer (with the packs in
 // registers), and with the ring f16 K = 2, 16-bit K = 5 and bf16 K = 7 spilled 8-24 bytes (at one
-// segment a turn: 40-55 registers, no spills). The counts and times below are of turns of
-// kForwardAhead, before the ring.
+// segment a turn: 40-55 registers, no spills). After the turns, the whole segments left go one at a
+// time (ring steps computed at run time) and only the last takes the partial-segment path: with
+// all of the last turn's segments on that path, the masked forward at bf16 K = 4 lost 1.6 us to
+// the registers' 3-segment turns, and the masked 16-bit K = 7 kept 91-93 registers (80 now). The
+// counts and times below are of turns of kForwardAhead, before the ring.
 //
 // The masked kernels all unroll (with the masked segments' outputs free of branches, at the bounds
 // above). Instructions a segment, uniform / masked, one segment a turn -> kForwardAhead:
@@ -489,6 +497,8 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
       for (int a = 0; a < kTurn; ++a) segment(s + a * kSegment, turn_step + a, std::true_type{});
       if constexpr (kTurn < kForwardRing) turn_step += kTurn;
     }
+    // The whole segments left one at a time, the item's last segment (partial, or with kFinalState
+    // the one that may end the row) after them.
     if constexpr (kTurn > 1) {
 #pragma unroll 1
       for (; s + kSegment <= steady_end; s += kSegment) segment(s, turn_step++, std::true_type{});
