@@ -364,11 +364,11 @@ def test_channel_first_seq_idx_large(dev, dtype, shape):
     compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL", final="random")
 
 
-# The masked forward's loop (turns of kForwardAhead + 1 segments, then a tail of up to four) at
-# every dtype and width: on the H200, 2048 rows of 4 channels make items of whole rows of 8
-# segments (16-bit) and of 6, 8 or 16 (float32), so that turns and tails hold uniform and masked
-# segments; L = 2040 ends each row in a segment of 31 (16-bit) or 30 packs. Forward only: the
-# tests above reach the backward's loop.
+# The masked forward's loop (turns of kForwardRing segments, then the whole segments left one at a
+# time, then the item's last) at every dtype and width: on the H200, 2048 rows of 4 channels make
+# items of whole rows of 8 segments (16-bit) and of 6, 8 or 16 (float32), so that turns and the
+# single segments after them hold uniform and masked segments; L = 2040 ends each row in a segment
+# of 31 (16-bit) or 30 packs. Forward only: the tests above reach the backward's loop.
 @pytest.mark.parametrize("width", range(2, 9))
 @pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("dev", GPU)
