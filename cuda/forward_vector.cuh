@@ -250,7 +250,7 @@ constexpr int kForwardRing = 4;
 // K = 7 (6 blocks spilled 16 bytes). Where 5 blocks is all that fits, ptxas left free took 96
 // registers or fewer without spilling and a loop 1-6% shorter than at a bound of 5. With the ring
 // (kForwardRing) the masked kernels left free take fewer: 16-bit K = 6 72-79 (7 and 6 blocks),
-// K = 7 80 (6), K = 8 90 (5), f32 K = 7 83 (6).
+// K = 7 80 (6), K = 8 90 (5), f32 K = 7 83 (5).
 //
 // Unmasked 16-bit kernels up to K = 4 asked for 9 blocks (56 registers, no spills): on the main
 // workload that took 81.5 us against 85.3 with 4 blocks of 256 (63 registers). With the loop's
