@@ -279,12 +279,15 @@ constexpr int channel_first_forward_min_blocks() {
 // element at bf16 K = 4), where the unrolled turn fits the blocks of
 // channel_first_forward_min_blocks without spilling; else 1: unrolled, the unmasked 16-bit K = 6
 // and 8 and f32 K >= 5 spilled 12-32 bytes there or took a block fewer (with the packs in
-// registers), and with the ring f16 K = 2, 16-bit K = 5 and bf16 K = 7 spilled 8-24 bytes (at one
-// segment a turn: 40-55 registers, no spills). After the turns, the whole segments left go one at a
-// time (ring steps computed at run time) and only the last takes the partial-segment path: with
-// all of the last turn's segments on that path, the masked forward at bf16 K = 4 lost 1.6 us to
-// the registers' 3-segment turns, and the masked 16-bit K = 7 kept 91-93 registers (80 now). The
-// counts and times below are of turns of kForwardAhead, before the ring.
+// registers), and with the ring and a tail of a whole turn f16 K = 2, 16-bit K = 5 and bf16 K = 7
+// spilled 8-24 bytes (at one segment a turn: 40-55 registers, no spills). With the tail below,
+// turns of four fit them (sm_90, untimed): f16 K = 2 48, 16-bit and f32 K = 5 56 registers, their
+// blocks the same; 16-bit K = 7 64 and f32 K = 7 59 (8 blocks, against 9-10). After the turns,
+// the whole segments left go one at a time (ring steps computed at run time) and only the last
+// takes the partial-segment path: with all of the last turn's segments on that path, the masked
+// forward at bf16 K = 4 lost 1.6 us to the registers' 3-segment turns, and the masked 16-bit K = 7
+// kept 91-93 registers (80 now). The counts and times below are of turns of kForwardAhead, before
+// the ring.
 //
 // The masked kernels all unroll (with the masked segments' outputs free of branches, at the bounds
 // above). Instructions a segment, uniform / masked, one segment a turn -> kForwardAhead:
