@@ -446,9 +446,12 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
                    : static_cast<const T*>(p.initial_state) + item.row * P,
                item.c0);
     // The lane's packs of the next kForwardAhead segments, in the ring's slots (the item's segment
-    // j in slot j: turn_step, the ring step of the turn's first segment, stays 0 with kTurn =
-    // kForwardRing, so that the slots are immediates). A pack past lane_end is not fetched: its
-    // slot holds an older pack, which only lanes whose outputs are not stored read.
+    // j in slot j: turn_step, the ring step of the next turn's first segment, stays 0 through turns
+    // of kTurn = kForwardRing, so that their slots are immediates; the single segments after the
+    // turns advance it one at a time). A pack past lane_end is not fetched: its slot holds an older
+    // pack, which only lanes whose outputs are not stored read. So an item ends with no copy in
+    // flight, and the next item's fetches may take any slot (the backward's fetches past its items
+    // are live, hence its ring_wait<0> between items).
     int turn_step = 0;
     const auto fetch = [&](int64_t s, int step) {
       x_ring.fetch(step, x + lane_at + s, s < lane_end);
