@@ -64,8 +64,20 @@ __global__ void final_state_kernel(ConvParams p) {
 // long pieces: K = 8 105.7 against 88.8, K = 7 81.9 against 75.5; twenty-second session).
 constexpr int kLongPiecesWidth = 6;
 
+// What the long fit counts, in tenths of a step, for a step that the unmasked kernel's step loop
+// leaves to run_steps's one-by-one loop (steps % K of a piece), where the window slides by moves
+// instead of register renaming (sm_90 SASS with silu, bf16 K = 8: 115-117 instructions such a
+// step, 34 of them moves, against 80.5-83.5 a step of the unrolled loop; K = 7 107-109 against
+// 75). Fitted without it, K = 8 took 63-step pieces at 4 blocks per SM (4.0 waves), 7 of each
+// piece's steps one by one, where 64 needs no more waves (3.88) and leaves none. H200 trace, B=8
+// L=2048 D=4096 BLD fwd (twenty-fifth session, two rounds): bf16 K = 8 77.8 / 77.7 -> 75.7 / 75.6
+// us, f16 77.6 / 77.8 -> 75.7 / 75.9 (predicted about 76.3); K = 4 and 7 unchanged. The short fit
+// keeps its timed lengths (with this count bf16 K = 5 would go from 34 to 35 steps).
+constexpr int64_t kRolledStepTenths = 14;
+
+// unroll: steps per iteration of the kernel's step loop (K; 1 with seq_idx, whose spans decide).
 inline int64_t forward_time_chunk(int64_t columns, int64_t length, int64_t resident, int64_t halo,
-                                  bool long_pieces) {
+                                  bool long_pieces, int unroll) {
   constexpr int64_t kLongest = 64, kShortest = 8, kMinThreads = 32768;
   const int64_t fit_from = long_pieces ? 48 : 32, fit_to = long_pieces ? kLongest : 40;
   const auto threads_for = [&](int64_t chunk) { return columns * ((length + chunk - 1) / chunk); };
@@ -73,7 +85,9 @@ inline int64_t forward_time_chunk(int64_t columns, int64_t length, int64_t resid
   while (chunk > kShortest && threads_for(chunk) < kMinThreads) chunk /= 2;
   if (chunk < kLongest || resident <= 0) return chunk;
   const auto cost = [&](int64_t steps) {
-    return waves_cost(threads_for(steps), resident, steps, halo);
+    const int64_t rolled = long_pieces ? steps % unroll : 0;
+    return waves_cost(threads_for(steps), resident,
+                      10 * steps + (kRolledStepTenths - 10) * rolled, 10 * halo);
   };
   chunk = fit_to;
   for (int64_t steps = fit_from; steps < fit_to; ++steps) {
@@ -92,7 +106,8 @@ bool launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
     const int64_t columns = p.batch * (p.channels / C);
     const int64_t time_chunk = forward_time_chunk(columns, p.length,
                                                   resident_threads<kernel>(kForwardThreads), K - 1,
-                                                  kMasked || K >= kLongPiecesWidth);
+                                                  kMasked || K >= kLongPiecesWidth,
+                                                  kMasked ? 1 : K);
     const int64_t threads = columns * ((p.length + time_chunk - 1) / time_chunk);
     const int64_t blocks =
         std::min(kMaxGridBlocks, (threads + kForwardThreads - 1) / kForwardThreads);
