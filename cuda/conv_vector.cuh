@@ -755,20 +755,25 @@ __device__ __forceinline__ void halo_after(const U (&own)[V], const U (&next)[V]
 // more a channel, and 4 registers more across the kernel's loops).
 enum class ItemKept { kNothing, kChannels, kRows };
 
-// Runs run(item, uniform) for this warp's channel-first items (a grid-stride loop over warps) of
-// rows cut as split says (channels_per_item<kMasked, kWidth, kMaskedChannels>() channels per
-// item). With seq_idx the channels of an item share one UniformSegments, found over its segments
-// from c0 to min(c1 + extra, L): the times it loads (the backward's dx also needs the P after its
-// own). Without seq_idx, all zero. kKept: see ItemKept (where the groups take the item in one
-// turn, nothing is held through it). kWidth < 32: segments of kWidth packs (see
-// uniform_segments), and each group of kWidth lanes takes its own channel of the item at a time,
-// the groups consecutive ones; where the item has fewer left, the last again (the groups then
-// store the same values to the same places).
+// Runs run(item, uniform, next) for this warp's channel-first items (a grid-stride loop over
+// warps; the launchers give each warp one item where the grid allows, see grid_for_warps) of rows
+// cut as split says (channels_per_item<kMasked, kWidth, kMaskedChannels>() channels per item).
+// With seq_idx the channels of an item share one UniformSegments, found over its segments from c0
+// to min(c1 + extra, L): the times it loads (the backward's dx also needs the P after its own).
+// Without seq_idx, all zero. next: whether the group's next run is the item's next channel of
+// the group (row + kGroups, the same times), so that the run may start that channel's loads.
+// start(item) comes first for each item, with the group's first channel, before the uniform
+// check, whose loads then wait behind what start issued. kKept: see ItemKept (where the groups
+// take the item in one turn, nothing is held through it). kWidth < 32: segments of kWidth packs
+// (see uniform_segments), and each group of kWidth lanes takes its own channel of the item at a
+// time, the groups consecutive ones; where the item has fewer left, the last again (the groups
+// then store the same values to the same places).
 template <int V, int P, bool kMasked, ItemKept kKept = ItemKept::kNothing, int kWidth = kLanes,
-          int kMaskedChannels = kUniformChannels, typename Run>
+          int kMaskedChannels = kUniformChannels, typename Start, typename Run>
 __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
                                                             const ChannelFirstSplit& split,
-                                                            int64_t extra, const Run& run) {
+                                                            int64_t extra, const Start& start,
+                                                            const Run& run) {
   constexpr int64_t kSegment = kWidth * V;
   constexpr int kGroups = kLanes / kWidth;
   constexpr int G = channels_per_item<kMasked, kWidth, kMaskedChannels>();
@@ -781,8 +786,13 @@ __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
        i < items; i += warps_per_grid) {
     const ChannelFirstItem first(i, split, p, G);
     if constexpr (G == 1) {
-      run(first, UniformSegments{0, 0});
+      start(first);
+      run(first, UniformSegments{0, 0}, false);
     } else {
+      const int group = lane / kWidth;
+      start(kGroups == 1 ? first
+                         : first.channel(static_cast<int>(
+                               std::min<int64_t>(group, p.channels - first.d - 1))));
       UniformSegments uniform{0, 0};
       if constexpr (kMasked) {
         const int64_t end = std::min(first.c1 + extra, p.length);
@@ -800,17 +810,29 @@ __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
         asm("" : "+r"(channels));
       }
       if constexpr (kGroups == 1) {
-        for (int g = 0; g < channels; ++g) run(item.channel(g), uniform);
+        for (int g = 0; g < channels; ++g) run(item.channel(g), uniform, g + 1 < channels);
       } else {
         // One turn where kOneTurn, bounded so that the compiler sees it: to the channel count
         // the loop cost the unmasked bf16 K = 5 and 6 backward 12 bytes of spills.
-        const int group = lane / kWidth, loop_channels = kOneTurn ? 1 : channels;
+        const int loop_channels = kOneTurn ? 1 : channels;
         for (int g = 0; g < loop_channels; g += kGroups) {
-          run(item.channel(std::min(g + group, channels - 1)), uniform);
+          run(item.channel(std::min(g + group, channels - 1)), uniform,
+              g + group + kGroups < channels);
         }
       }
     }
   }
+}
+
+// The same without start, for run(item, uniform).
+template <int V, int P, bool kMasked, ItemKept kKept = ItemKept::kNothing, int kWidth = kLanes,
+          int kMaskedChannels = kUniformChannels, typename Run>
+__device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
+                                                            const ChannelFirstSplit& split,
+                                                            int64_t extra, const Run& run) {
+  for_each_channel_first_item<V, P, kMasked, kKept, kWidth, kMaskedChannels>(
+      p, split, extra, [](const ChannelFirstItem&) {},
+      [&](const ChannelFirstItem& item, UniformSegments uniform, bool) { run(item, uniform); });
 }
 
 // ---- channel-first short rows: several rows per warp ----

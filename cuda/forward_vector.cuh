@@ -250,7 +250,11 @@ constexpr int kForwardRing = 4;
 // K = 7 (6 blocks spilled 16 bytes). Where 5 blocks is all that fits, ptxas left free took 96
 // registers or fewer without spilling and a loop 1-6% shorter than at a bound of 5. With the ring
 // (kForwardRing) the masked kernels left free take fewer: 16-bit K = 6 72-79 (7 and 6 blocks),
-// K = 7 80 (6), K = 8 90 (5), f32 K = 7 83 (5).
+// K = 7 80 (6), K = 8 90 (5), f32 K = 7 83 (5); with an item's first packs fetched before its
+// uniform_segments (channel_first_forward_primes) f32 K = 7 88 (5) and 16-bit K = 8 95-96 (5),
+// which a bound of 6 blocks takes to 80 without spilling (H200 trace, packed BDL fwd bf16 K = 8,
+// twenty-fifth session: 88.0 / 88.4 -> 87.9 / 87.7 us). Bounds of 7 at 16-bit K = 4 and f16 K = 6
+// (72 registers, no spills without the priming) spilled 16-20 bytes with it.
 //
 // Unmasked 16-bit kernels up to K = 4 asked for 9 blocks (56 registers, no spills): on the main
 // workload that took 81.5 us against 85.3 with 4 blocks of 256 (63 registers). With the loop's
@@ -264,8 +268,9 @@ template <typename T, int K, bool kMasked>
 constexpr int channel_first_forward_min_blocks() {
   if constexpr (kMasked) {
     if constexpr (sizeof(T) == 4) return K <= 3 ? 8 : (K <= 5 ? 7 : (K == 6 ? 6 : 0));
-    if constexpr (std::is_same_v<T, __half>) return K == 2 ? 7 : (K <= 5 ? 6 : (K == 8 ? 5 : 0));
-    return K <= 3 ? 7 : (K <= 5 ? 6 : (K == 8 ? 5 : 0));
+    if constexpr (K == 8) return 6;
+    if constexpr (std::is_same_v<T, __half>) return K == 2 ? 7 : (K <= 5 ? 6 : 0);
+    return K <= 3 ? 7 : (K <= 5 ? 6 : 0);
   }
   if constexpr (sizeof(T) == 2) {
     return K == 2 ? 10 : (K <= 6 ? 9 : 0);
@@ -396,6 +401,16 @@ constexpr int channel_first_forward_item_channels() {
   return channel_first_forward_halves<T, K, true>() ? kLanes / kWidth : kUniformChannels;
 }
 
+// Whether the masked channel-first forward fetches an item's first packs before its
+// uniform_segments (whose seq_idx loads then wait behind them). H200, packed BDL bf16 B=8 L=2048
+// D=4096, fwd kernel us, main -> primed (and chained where kChains): K = 2 82.9 -> 80.4, K = 3 82.5
+// -> 80.6, K = 4 82.3 -> 79.5, K = 5 83.9 -> 81.4, K = 8 90.1 -> 88.2, f16 K = 4 82.5 -> 79.5; but
+// the halves at K = 6 80.8 -> 82.7 and K = 7 82.6 -> 85.3, whose registers did not change.
+template <typename T, int K, bool kMasked>
+constexpr bool channel_first_forward_primes() {
+  return kMasked && !(sizeof(T) == 2 && (K == 6 || K == 7));
+}
+
 // (B, D, L), L a multiple of the pack V: a warp streams chunk_len times of one (b, d) row, lane l
 // owning V consecutive times of each 32 V-time segment (with channel_first_forward_width 16, of two
 // rows, each half of the warp one row's segments of 16 V times); the K-1 inputs before a lane's
@@ -425,17 +440,35 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
   T* y = static_cast<T*>(p.y);
   __shared__ Word x_slots[kForwardRing * kChannelFirstThreads];
   const RowRing<kForwardRing, Word, kChannelFirstThreads> x_ring{x_slots};
+  // The lane's pack at time 0 of the item's row as one element offset for x and y (their base
+  // pointers stay in the constant bank), and the end of the times whose packs are the lane's: its
+  // pack of segment s is the item's while s < lane_end.
+  const auto lane_at_of = [&](const ChannelFirstItem& item) {
+    return item.row * p.length + lane * V;
+  };
+  const auto lane_end_of = [&](const ChannelFirstItem& item) { return item.c1 - lane * V; };
+  // Whether the ring holds the lane's packs of the next run's first kForwardAhead segments (in
+  // ring steps 0 .. kForwardAhead - 1), each in its own commit group. Each warp of the launch runs
+  // one item (grid_for_warps): without seq_idx a single channel, whose first packs it can only
+  // fetch at its start. With seq_idx the item's first packs are fetched before its uniform_segments
+  // (for_each_channel_first_item's start), so that the check's seq_idx loads wait behind
+  // them; and where an item's channels run one after another in the warp (kChains) the last
+  // segments of each fetch the next channel's first packs instead of nothing, so that no channel
+  // but the first starts on an empty ring.
+  constexpr bool kChains =
+      kMasked && channel_first_forward_item_channels<T, K>() > kLanes / kWidth;
+  static_assert(!kChains || kTurn == kForwardRing,
+                "a chained item's last kForwardRing segments take ring steps 0 .. kForwardRing-1");
+  bool primed = false;
   // The item's channel `item` (times [c0, c1)), at width 16 the half's own (see
   // for_each_channel_first_item: past the item's channels the upper half repeats the lower half's
   // row, storing the same values at the same addresses; a test of each store instead spilled 8
   // bytes at bf16 K = 4, when that had halves). Bit j of masks.before (then of uniform): whether
   // the item's segment j of kWidth packs is uniform (none past the first kUniformSegments).
-  // silu: p.silu, or without seq_idx std::true_type or std::false_type.
-  const auto run = [&](const ChannelFirstItem& item, UniformSegments masks, auto silu) {
-    // One element offset serves x and y: the lane's pack at time 0 of the row (their base pointers
-    // stay in the constant bank); the lane's pack of segment s is the item's while s < lane_end.
-    const int64_t lane_at = item.row * p.length + lane * V;
-    const int64_t lane_end = item.c1 - lane * V;
+  // silu: p.silu, or without seq_idx std::true_type or std::false_type. next: whether the warp's
+  // next run is the item's next channel (row + 1, the same times).
+  const auto run = [&](const ChannelFirstItem& item, UniformSegments masks, auto silu, bool next) {
+    const int64_t lane_at = lane_at_of(item), lane_end = lane_end_of(item);
     const int32_t* segment_row = kMasked ? p.seq_idx + item.b * p.length : nullptr;
     float w[K][1], bias[1];
     load_param_row<T>(p, item.param_row, w, bias);
@@ -457,13 +490,33 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
       x_ring.fetch(step, x + lane_at + s, s < lane_end);
       ring_commit();
     };
-    for (int a = 0; a < kForwardAhead; ++a) fetch(item.c0 + a * kSegment, a);
+    if (!primed) {
+      for (int a = 0; a < kForwardAhead; ++a) fetch(item.c0 + a * kSegment, a);
+    }
+    // With chain, the item's last kForwardAhead segments fetch the next channel's first ones (all
+    // whole: the item has kForwardRing segments or more) into the ring steps after this channel's,
+    // which are the slots of its first segments where the item's segments fill whole turns of the
+    // ring (else the next channel fetches its own). The turns then end before the item's last
+    // kForwardRing segments (steady_end), which take ring steps 0 .. kForwardRing - 1 after them:
+    // those from kForwardRing - kForwardAhead fetch the next channel's.
+    const bool chain =
+        kChains && next && (item.c1 - item.c0 + kSegment - 1) / kSegment % kForwardRing == 0;
+    primed = chain;
+    const auto fetch_across = [&](int64_t s, int step) {
+      const int next_segment = step - kForwardRing;  // the next channel's, at s past the item's
+      const bool next_row = chain && next_segment >= 0;
+      const int64_t at = next_row ? lane_at + p.length + item.c0 + next_segment * kSegment
+                                  : lane_at + s;
+      x_ring.fetch(step, x + at, next_row || s < lane_end);
+      ring_commit();
+    };
     uint32_t uniform = masks.before;  // bit 0: the next segment's
     // Segment s from its ring step's slot, then the fetch of segment s + kForwardAhead kSegment
     // into the slot the segment before it read. whole (std::true_type): every lane's pack of s is
     // the item's. With kFinalState the others (then the item's last segment) also write the final
-    // state, in the lane whose pack ends the row.
-    const auto segment = [&](int64_t s, int step, auto whole) {
+    // state, in the lane whose pack ends the row. across (std::true_type): after the turns, where
+    // the fetch may be the next channel's.
+    const auto segment = [&](int64_t s, int step, auto whole, auto across) {
       constexpr bool kWhole = decltype(whole)::value;
       const bool ends_row =
           kFinalState && !kWhole && p.final_state != nullptr && s + (lane + 1) * V == p.length;
@@ -472,7 +525,11 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
       float own[V];
       ring_wait<kForwardAhead - 1>();
       widen(x_ring.template read<T, V>(step), own);
-      fetch(s + kForwardAhead * kSegment, step + kForwardAhead);
+      if constexpr (kChains && decltype(across)::value) {
+        fetch_across(s + kForwardAhead * kSegment, step + kForwardAhead);
+      } else {
+        fetch(s + kForwardAhead * kSegment, step + kForwardAhead);
+      }
       float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}, t0 = s + lane V
       carry.template advance<V, kWidth>(own, lane, xs);
       float out[V];
@@ -497,26 +554,49 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
       }
     };
     int64_t s = item.c0;
-    const int64_t steady_end = kFinalState ? item.c1 - 1 : item.c1;  // last segment: the tail's
+    // The last segment is the tail's where it may end the row (kFinalState) and where the
+    // segments before it must leave their turns to the single segments (kChains, see chain).
+    const int64_t steady_end = kFinalState || kChains ? item.c1 - 1 : item.c1;
     for (; s + kTurn * kSegment <= steady_end; s += kTurn * kSegment) {
 #pragma unroll
-      for (int a = 0; a < kTurn; ++a) segment(s + a * kSegment, turn_step + a, std::true_type{});
+      for (int a = 0; a < kTurn; ++a) {
+        segment(s + a * kSegment, turn_step + a, std::true_type{}, std::false_type{});
+      }
       if constexpr (kTurn < kForwardRing) turn_step += kTurn;
     }
     // The whole segments left one at a time, the item's last segment (partial, or with kFinalState
     // the one that may end the row) after them.
     if constexpr (kTurn > 1) {
 #pragma unroll 1
-      for (; s + kSegment <= steady_end; s += kSegment) segment(s, turn_step++, std::true_type{});
+      for (; s + kSegment <= steady_end; s += kSegment) {
+        segment(s, turn_step++, std::true_type{}, std::true_type{});
+      }
     }
-    if (s < item.c1) segment(s, turn_step, std::false_type{});
+    if (s < item.c1) segment(s, turn_step, std::false_type{}, std::true_type{});
   };
   constexpr ItemKept kKept = kMasked ? channel_first_forward_kept<T, K>() : ItemKept::kNothing;
   const auto run_items = [&](auto silu) {
     for_each_channel_first_item<V, P, kMasked, kKept, kWidth,
                                 channel_first_forward_item_channels<T, K>()>(
         p, split, 0,
-        [&](const ChannelFirstItem& item, UniformSegments masks) { run(item, masks, silu); });
+        [&](const ChannelFirstItem& item) {
+          if constexpr (channel_first_forward_primes<T, K, kMasked>()) {
+            // Opaque, so that NVVM does not keep the item's lane_end through uniform_segments for
+            // the run: bf16 K = 6 took 72 -> 80 registers (a block per SM fewer).
+            const int64_t lane_at = lane_at_of(item);
+            int64_t lane_end = lane_end_of(item);
+            asm("" : "+l"(lane_end));
+            for (int a = 0; a < kForwardAhead; ++a) {
+              const int64_t s = item.c0 + a * kSegment;
+              x_ring.fetch(a, x + lane_at + s, s < lane_end);
+              ring_commit();
+            }
+            primed = true;
+          }
+        },
+        [&](const ChannelFirstItem& item, UniformSegments masks, bool next) {
+          run(item, masks, silu, next);
+        });
   };
   if constexpr (kMasked) {
     // Chosen once, the activation saved one instruction of a uniform segment's 146 at bf16 K = 4

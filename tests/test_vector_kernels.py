@@ -382,6 +382,35 @@ def test_channel_first_seq_idx_turns(dev, dtype, width):
                     layout="BDL", what=f"K{width}")
 
 
+# The masked forward's items of several channels run them one after another in a warp, and where
+# an item's segments fill whole turns of the ring (a multiple of kForwardRing) each channel's last
+# segments fetch the next channel's first packs. The cases above chain whole rows of 4 channels;
+# here rows cut into chunks (on the H200: chunks of 4 segments, none in turns, or of 8, with
+# turns), so that the next channel's packs start at c0 > 0, and D = 1279, whose last item of each
+# batch row has 3 channels (its last channel chains to nothing), at K = 3 (f16 and float32 without
+# the final state in the kernel) and K = 4.
+CHAINED_CF = [
+    pytest.param(jnp.bfloat16, 4, 4096, id="bf16-K4-chunks-of-4"),
+    pytest.param(jnp.bfloat16, 4, 8192, id="bf16-K4-chunks-of-8"),
+    pytest.param(jnp.float16, 3, 4096, id="f16-K3-chunks-of-4"),
+    pytest.param(jnp.float32, 4, 2048, id="f32-K4-chunks-of-4"),
+    pytest.param(jnp.float32, 3, 3072, id="f32-K3-chunks-of-4"),
+]
+
+
+@pytest.mark.parametrize("dtype,width,length", CHAINED_CF)
+@pytest.mark.parametrize("dev", GPU)
+def test_channel_first_seq_idx_chained(dev, dtype, width, length):
+    rng = np.random.default_rng(width)
+    segment = segment_len(dtype)
+    made = make_inputs(rng, batch=2, length=length, channels=1279, width=width, dtype=dtype,
+                       layout="BDL", initial_state=True)
+    edges = [3 * segment + 5, 4 * segment - 1, 4 * segment + 2, length // 2 + 7, length - segment]
+    made["seq_idx"] = jnp.asarray(packed_seq_idx(length, edges)[:2])
+    run_and_compare(made, dev, dtype=dtype, activation="silu", return_final_state=True,
+                    layout="BDL", what=f"K{width}")
+
+
 # Enough rows (6 x 1024: on the H200 the backward's items are whole rows of 7 segments) that items
 # hold several segments, for every dtype and width: the backward's masked segments then run in its
 # interior loop too (both segments of a dx the item's own: seq_idx windows without range tests),
