@@ -404,7 +404,7 @@ constexpr int channel_first_forward_item_channels() {
 // Whether the masked channel-first forward fetches an item's first packs before its
 // uniform_segments (whose seq_idx loads then wait behind them). H200, packed BDL bf16 B=8 L=2048
 // D=4096, fwd kernel us, main -> primed (and chained where kChains): K = 2 82.9 -> 80.4, K = 3 82.5
-// -> 80.6, K = 4 82.3 -> 79.5, K = 5 83.9 -> 81.4, K = 8 90.1 -> 88.2, f16 K = 4 82.5 -> 79.5; but
+// -> 80.6, K = 4 82.3 -> 79.5, K = 5 83.9 -> 81.4, K = 8 90.1 -> 88.0, f16 K = 4 82.5 -> 79.5; but
 // the halves at K = 6 80.8 -> 82.7 and K = 7 82.6 -> 85.3, whose registers did not change.
 template <typename T, int K, bool kMasked>
 constexpr bool channel_first_forward_primes() {
@@ -451,10 +451,10 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
   // ring steps 0 .. kForwardAhead - 1), each in its own commit group. Each warp of the launch runs
   // one item (grid_for_warps): without seq_idx a single channel, whose first packs it can only
   // fetch at its start. With seq_idx the item's first packs are fetched before its uniform_segments
-  // (for_each_channel_first_item's start), so that the check's seq_idx loads wait behind
-  // them; and where an item's channels run one after another in the warp (kChains) the last
-  // segments of each fetch the next channel's first packs instead of nothing, so that no channel
-  // but the first starts on an empty ring.
+  // (for_each_channel_first_item's start, where channel_first_forward_primes), so that the check's
+  // seq_idx loads wait behind them; and where an item's channels run one after another in the warp
+  // (kChains) the last segments of each fetch the next channel's first packs instead of nothing,
+  // so that no channel but the first starts on an empty ring.
   constexpr bool kChains =
       kMasked && channel_first_forward_item_channels<T, K>() > kLanes / kWidth;
   static_assert(!kChains || kTurn == kForwardRing,
@@ -582,7 +582,8 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
         [&](const ChannelFirstItem& item) {
           if constexpr (channel_first_forward_primes<T, K, kMasked>()) {
             // Opaque, so that NVVM does not keep the item's lane_end through uniform_segments for
-            // the run: bf16 K = 6 took 72 -> 80 registers (a block per SM fewer).
+            // the run: without it bf16 K = 6, primed then, took 72 -> 80 registers (a block per SM
+            // fewer).
             const int64_t lane_at = lane_at_of(item);
             int64_t lane_end = lane_end_of(item);
             asm("" : "+l"(lane_end));
