@@ -941,7 +941,7 @@ __device__ __forceinline__ void short_row_window(const Conv<T, float, K>& conv,
                                                  const T* x, float (&xs)[K - 1 + V],
                                                  float (&w)[K][1], float (&bias)[1]) {
   load_row_weights(conv, b, d, at.batch_per_group, w, bias);
-  short_row_halo(conv.p, at, b, d, x, xs);
+  short_row_halo<T, K>(conv.p, at, b, d, x, xs);
 }
 
 // With seq_idx (row: the row's entries): the lane's entries into segments[P .. P + V), and whether
