@@ -718,7 +718,7 @@ struct ShortRowUnits {
 
 // (B, D, L), L a multiple of the pack V and at most 32 V: group lanes per row (short_row_group),
 // a warp unit (ShortRowUnits) at a time, one batch row of its channel block per step, the next
-// kShortBackwardDepth - 1 steps' packs in flight. Per row it writes dx (and dS); per unit, its
+// kShortBackwardDepth steps' packs in flight. Per row it writes dx (and dS); per unit, its
 // dw/db sums over the run, over the group by a fixed shuffle tree, to its slice of partials.
 // With one channel block a warp item per batch row, each row loaded its K + 1 weights (dependent
 // loads at each item's start) and reduced and stored its own sums (bf16 K = 4: about 110 of the
