@@ -154,6 +154,13 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Where the dw/db partials lie: per weight group, rows_per_group rows of `slices` slices of
+// D x (K + 1) sums each, in that order (the batch rows of a group and their tiles or chunks, or one
+// row of the short-row backward's runs).
+struct PartialSlices {
+  int64_t rows_per_group, slices;
+};
+
 // The reduction's two shapes. Wide blocks (32 columns x 8 lanes, one sum: each warp reads 128
 // contiguous bytes a slice) serve most problems; below kReduceMinBlocks wide blocks (few
 // channels: D = 256, K = 4 makes 40) the SMs would mostly idle, so narrow blocks of 8 columns x
@@ -168,13 +175,13 @@ int64_t reduce_blocks(const ConvParams& p, int columns) {
 }
 
 template <typename T, typename A, int kColumns, int kSums>
-void launch_reduce(cudaStream_t stream, const ConvParams& p, const A* partials, int64_t slices,
-                   void* dweight, void* dbias) {
+void launch_reduce(cudaStream_t stream, const ConvParams& p, const A* partials,
+                   PartialSlices slices, void* dweight, void* dbias) {
   const int64_t blocks = std::max<int64_t>(1, std::min(kMaxGridBlocks, reduce_blocks(p, kColumns)));
   launch_dependent(reduce_partials_kernel<T, A, kColumns, kSums>,
                    dim3(static_cast<unsigned>(blocks)), dim3(kThreads), stream, partials, p.groups,
-                   p.batch / p.groups, slices, p.channels, p.width, p.params_like_x, dweight,
-                   dbias);
+                   slices.rows_per_group, slices.slices, p.channels, p.width, p.params_like_x,
+                   dweight, dbias);
 }
 
 // Time steps per thread (a tile) for the channel-last backward, whose threads each stream one
@@ -199,9 +206,27 @@ inline int64_t steps_per_thread(int64_t columns, int64_t length, int64_t residen
   return std::min(kMaxSteps, std::max(min_steps, (length + pieces - 1) / pieces));
 }
 
-// Launches dx, dS and the dw/db partials; returns the partial slices per batch row.
+// The short-row backward's units (ShortRowUnits) for a device that holds resident_warps of its
+// warps (0: unknown): runs of batch rows cut by channel_first_chunk's model of waves, a batch row
+// standing for a segment (and a unit's weights, ring fill and reduction for an item's fixed
+// cost), so that many channels take long runs and few channels short ones that fill the device.
+// B=64 L=128 D=4096 (bf16: 2048 channel blocks of 2 rows, 2112 warps on the H200) takes whole
+// 64-row runs, a unit a warp.
+ShortRowUnits short_row_units(const ConvParams& p, int group, int64_t resident_warps) {
+  const int64_t rows_per_item = kLanes / group;
+  const int64_t blocks = (p.channels + rows_per_item - 1) / rows_per_item;
+  const int64_t batch_per_group = p.batch / p.groups;
+  const int64_t chunk = channel_first_chunk(p.groups * blocks, batch_per_group, 1, resident_warps,
+                                            kUnlimitedSegments);
+  const int64_t runs = (batch_per_group + chunk - 1) / chunk;
+  return ShortRowUnits{chunk, FastDivisor(runs), FastDivisor(blocks), batch_per_group,
+                       p.groups * runs * blocks};
+}
+
+// Launches dx, dS and the dw/db partials; returns where the partials lie.
 template <typename T, int K, bool kMasked>
-int64_t launch_vector_backward(cudaStream_t stream, const ConvParams& p, float* partials) {
+PartialSlices launch_vector_backward(cudaStream_t stream, const ConvParams& p, float* partials) {
+  const int64_t rows_per_group = p.batch / p.groups;
   if (p.channel_last) {
     constexpr int C = channels_per_thread<T, K, kBackwardBudget>();
     constexpr auto kernel = backward_channel_last_kernel<T, K, kMasked>;
@@ -219,12 +244,18 @@ int64_t launch_vector_backward(cudaStream_t stream, const ConvParams& p, float* 
     const ChannelLastTiles split{tile_len, tiles, FastDivisor(grouped ? packs / kLanes : packs),
                                  FastDivisor(slices)};
     kernel<<<blocks, kBackwardThreads, 0, stream>>>(p, partials, split);
-    return slices;
+    return {rows_per_group, slices};
   }
   if (const int group = short_row_group(p.length, kPack<T>); group > 0) {
     constexpr auto kernel = backward_short_rows_kernel<T, K>;
-    kernel<<<short_row_blocks<kernel>(p, group), kThreads, 0, stream>>>(p, partials, group);
-    return 1;
+    const int64_t resident_warps = resident_threads<kernel>(kThreads) / kLanes;
+    const ShortRowUnits units = short_row_units(p, group, resident_warps);
+    const int64_t warps =
+        resident_warps > 0 ? std::min(units.count, resident_warps) : units.count;
+    const int64_t blocks =
+        std::max<int64_t>(1, std::min(kMaxGridBlocks, (warps * kLanes + kThreads - 1) / kThreads));
+    kernel<<<blocks, kThreads, 0, stream>>>(p, partials, group, units);
+    return {1, units.runs.d};
   }
   constexpr auto kernel = backward_channel_first_kernel<T, K, kMasked>;
   constexpr int kWidth = channel_first_backward_width<T, kMasked>();
@@ -233,14 +264,14 @@ int64_t launch_vector_backward(cudaStream_t stream, const ConvParams& p, float* 
   const ChannelFirstSplit split(p, chunk_len, channels_per_item<kMasked, kWidth>());
   const int64_t items = channel_first_items<kMasked, kWidth>(p, split.chunks.d);
   kernel<<<grid_for_warps(items), kChannelFirstThreads, 0, stream>>>(p, partials, split);
-  return split.chunks.d;
+  return {rows_per_group, split.chunks.d};
 }
 
-// Launches the dw/db partial sums (and dx, dS) kernel; returns how many partial slices per batch
-// row it wrote, or an error.
+// Launches the dw/db partial sums (and dx, dS) kernel; sets where it wrote them, or returns an
+// error.
 template <typename T, typename A, int kWidth>
 ffi::Error launch_backward_partials(cudaStream_t stream, const ConvParams& p, A* partials,
-                                    int64_t& slices) {
+                                    PartialSlices& slices) {
   if constexpr (std::is_same_v<A, float> && kWidth > 0) {
     if (vector_applies<T, kWidth>(p, true)) {
       slices = p.seq_idx != nullptr ? launch_vector_backward<T, kWidth, true>(stream, p, partials)
@@ -249,15 +280,16 @@ ffi::Error launch_backward_partials(cudaStream_t stream, const ConvParams& p, A*
     }
   }
   constexpr int64_t DC = tile_channels<A>();
-  slices = tile_count(p.length);
+  slices = {p.batch / p.groups, tile_count(p.length)};
   const int64_t chunks = (p.channels + DC - 1) / DC;
   if (p.batch > 65535 || chunks > 65535) {
     return invalid("backward supports at most 65535 batch rows and 65535 * 32 channels");
   }
   const size_t shared_bytes = sizeof(A) * static_cast<size_t>((kTileLen + p.width - 1) * DC);
-  const dim3 grid(static_cast<unsigned>(slices), static_cast<unsigned>(chunks),
+  const dim3 grid(static_cast<unsigned>(slices.slices), static_cast<unsigned>(chunks),
                   static_cast<unsigned>(p.batch));
-  backward_tile_kernel<T, A, 0><<<grid, kThreads, shared_bytes, stream>>>(p, partials, slices);
+  backward_tile_kernel<T, A, 0><<<grid, kThreads, shared_bytes, stream>>>(p, partials,
+                                                                          slices.slices);
   return cuda_status("backward tile kernel");
 }
 
@@ -269,7 +301,7 @@ ffi::Error launch_backward(cudaStream_t stream, const ConvParams& p, void* dweig
   if (workspace_elements < static_cast<size_t>(p.batch * tile_count(p.length) * per_slice)) {
     return invalid("workspace is too small");
   }
-  int64_t slices = 0;
+  PartialSlices slices{p.batch / p.groups, 0};
   if (p.batch > 0 && p.channels > 0) {
     if (auto err = launch_backward_partials<T, A, kWidth>(stream, p, partials, slices);
         err.failure()) {

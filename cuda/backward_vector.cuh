@@ -698,125 +698,156 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
   });
 }
 
-// Warp items whose rows (x and dy) a short-row backward lane has in flight: 3 x 32 bytes. With
-// at most 128 registers (2 blocks, 16 warps per SM: ptxas took 137-160 from K = 6 up, a block per
-// SM) that is 48 KB per SM.
-constexpr int kShortBackwardAhead = 3;
+// Batch rows whose packs (x and dy) a short-row backward lane has in flight, through cp.async
+// rings: 4 x 32 bytes, 4 KB a warp, 64 KB per SM at 2 blocks. A register queue of 3 (before) was
+// one row in flight: its rotating moves waited on each row's loads an item after their issue.
+constexpr int kShortBackwardDepth = 4;
 
-// (B, D, L), L a multiple of the pack V and at most 32 V: group lanes per row, 32 / group rows per
-// warp item, as in forward_short_rows_kernel. Per row it writes dx (and dS), and its dw/db sums,
-// over the group by a fixed shuffle tree, to partials[b, 0, d, 0..K] (one slice per row).
+// How the short-row backward cuts its rows into warp units (built on the host): a unit is a block
+// of rows_per_item consecutive channels (the last block of a row fewer) over a run of up to
+// `chunk` consecutive batch rows of one weight group, in the order (group, run, block), blocks
+// fastest. Its lanes load their weights once and sum their dw/db over the run, one slice of
+// partials per run: partials[group, run, d, 0..K].
+struct ShortRowUnits {
+  int64_t chunk;             // batch rows per run (the group's last run fewer)
+  FastDivisor runs;          // runs per weight group
+  FastDivisor blocks;        // channel blocks: D / rows_per_item rounded up
+  int64_t batch_per_group;
+  int64_t count;             // units: groups x runs x blocks
+};
+
+// (B, D, L), L a multiple of the pack V and at most 32 V: group lanes per row (short_row_group),
+// a warp unit (ShortRowUnits) at a time, one batch row of its channel block per step, the next
+// kShortBackwardDepth steps' packs in flight. Per row it writes dx (and dS); per unit, its
+// dw/db sums over the run, over the group by a fixed shuffle tree, to its slice of partials.
+// With one channel block a warp item per batch row, each row loaded its K + 1 weights (dependent
+// loads at each item's start) and reduced and stored its own sums (bf16 K = 4: about 110 of the
+// item loop's 500 SASS instructions), and the reduction read a slice per batch row.
 template <typename T, int K>
 __global__ void __launch_bounds__(kThreads, 2)
-    backward_short_rows_kernel(ConvParams p, float* partials, int group) {
+    backward_short_rows_kernel(ConvParams p, float* partials, int group, ShortRowUnits units) {
   constexpr int V = kPack<T>;
   constexpr int P = K - 1;
+  using Pack = RawFor<T, V>;
+  constexpr int kRingSlots = kShortBackwardDepth * kThreads;
+  __shared__ Pack slots[2 * kRingSlots];
+  const RowRing<kShortBackwardDepth, Pack, kThreads> x_ring{slots}, dy_ring{slots + kRingSlots};
   const Conv<T, float, K> conv{p};
   const ShortRowLane<V> at(p, group);
-  ShortRowCursor cursor = at.cursor(p.channels);
   const int g = at.g;
   const int64_t t0 = at.t0;
   const T* x = static_cast<const T*>(p.x) + t0;  // + row * L: the lane's pack of a row
   const T* dy = static_cast<const T*>(p.dy) + t0;
-  // The lane's packs of its next rows.
-  RawFor<T, V> x_ahead[kShortBackwardAhead], dy_ahead[kShortBackwardAhead];
-  const auto fetch = [&](int64_t row, RawFor<T, V>& x_pack, RawFor<T, V>& dy_pack) {
-    const bool live = at.in_row && row < at.rows;
-    x_pack = load_readonly_or_zero<T, V>(x + row * p.length, live);
-    dy_pack = load_readonly_or_zero<T, V>(dy + row * p.length, live);
-  };
-  for (int a = 0; a < kShortBackwardAhead; ++a) {
-    fetch(cursor.row + a * cursor.stride, x_ahead[a], dy_ahead[a]);
-  }
-  for (int64_t item = at.first_item; item * at.rows_per_item < at.rows; item += at.items_step) {
-    const bool row_live = cursor.row < at.rows, live = at.in_row && row_live;
-    const int64_t b = row_live ? cursor.b : 0, d = row_live ? cursor.d : 0;  // loads stay in range
-    float xs[P + V], dys[V];  // x_{t0-P} .. x_{t0+V-1}, dy_{t0} .. dy_{t0+V-1}
-    widen(from_raw<T, V>(x_ahead[0]), reinterpret_cast<float(&)[V]>(xs[P]));
-    widen(from_raw<T, V>(dy_ahead[0]), dys);
-    for (int a = 0; a + 1 < kShortBackwardAhead; ++a) {
-      x_ahead[a] = x_ahead[a + 1];
-      dy_ahead[a] = dy_ahead[a + 1];
-    }
-    fetch(cursor.row + kShortBackwardAhead * cursor.stride, x_ahead[kShortBackwardAhead - 1],
-          dy_ahead[kShortBackwardAhead - 1]);
-    float w[K][1], bias[1];
-    short_row_window(conv, at, b, d, x, xs, w, bias);
-    // With seq_idx, whether some row of the item has more than one id or padding: its deltas and
-    // dx take seq_idx's masks, segments[j] the entry of time t0 - P + j (j < P + V + P).
-    int32_t segments[P + V + P];
-    const bool masked = p.seq_idx != nullptr &&
-                        short_row_segments<V, P>(p.seq_idx + b * p.length, at, live, segments);
-    if (masked) {
-      for (int m = 0; m < P; ++m) {  // the times after the lane's: -1 past the row
-        const int32_t later = __shfl_down_sync(kFullWarp, segments[P + m % V], 1 + m / V, group);
-        segments[P + V + m] = t0 + V + m < p.length ? later : -1;
-      }
-    }
-    // delta, and the row's dw/db terms (the lane's own times). A lane past the row's end (or of a
-    // row past the last) computes deltas too, unused: no dw term, dS or dx reads a time that does
-    // not exist. Without the test, the unmasked deltas need no branch per element.
-    float delta[V], dw[K + 1] = {};  // dw[K] is db
-    if (masked) {
-      channel_first_deltas<true>(w, bias[0], xs, dys, segments, true, live, p.silu, delta, dw);
-    } else {
-      channel_first_deltas<false>(w, bias[0], xs, dys, segments, true, live, p.silu, delta, dw);
-    }
-    if (p.dinitial_state != nullptr) {
-      // dS = dx on [-P, 0): taps of outputs 0 .. P-1, the group's first lanes' (t < L).
-      float first[P];
-      for (int t = 0; t < P; ++t) first[t] = __shfl_sync(kFullWarp, delta[t % V], t / V, group);
-      if (g == 0 && row_live) {
-        // Output t's seq_idx entry where it matters (0 otherwise), -1 where it does not exist.
-        int32_t first_segment[P];
-        for (int t = 0; t < P; ++t) {
-          first_segment[t] = t >= p.length ? -1 : masked ? conv.segment(b, t) : 0;
-        }
-        const int32_t segment_u = masked ? conv.segment(b, 0) : 0;
-        for (int i = 0; i < P; ++i) {
-          float acc = 0.0f;
-          for (int k = 0; k <= i; ++k) {
-            const int t = i - k;
-            const bool used =
-                masked ? same_segment(first_segment[t], segment_u) : first_segment[t] >= 0;
-            acc = used ? fmaf(w[k][0], first[t], acc) : acc;
-          }
-          acc += conv.final_state_grad(b, i - P, d);
-          conv.store_state_like(p.dinitial_state, b, i, d, acc);
-        }
-      }
-    }
-    // dx_{t0+j}: tap k of output t0 + j + P - k, from this lane's deltas or the next lanes'.
-    float after[P];
-    for (int m = 0; m < P; ++m) {
-      after[m] = __shfl_down_sync(kFullWarp, delta[m % V], 1 + m / V, group);
-    }
-    float gx[V];
-    const auto input_grads = [&](auto select) {
-      constexpr bool kSelect = decltype(select)::value;
-      for (int j = 0; j < V; ++j) {
-        float acc = 0.0f;
-        for (int k = 0; k < K; ++k) {
-          const int at = j + P - k;
-          const float delta_at = at < V ? delta[at] : after[at - V];
-          // Without seq_idx's masks, taps of outputs past the row are skipped.
-          const bool used = kSelect ? same_segment(segments[P + at], segments[P + j])
-                                    : at < V || t0 + at < p.length;
-          acc = used ? fmaf(w[k][0], delta_at, acc) : acc;
-        }
-        gx[j] = acc;
-      }
+  const int64_t row_step = p.channels * p.length;  // from a batch row's pack to the next's
+  for (int64_t unit = at.first_item; unit < units.count; unit += at.items_step) {
+    const int64_t rest = unit / units.blocks, block = unit - rest * units.blocks.d;
+    const int64_t weight_group = rest / units.runs, run = rest - weight_group * units.runs.d;
+    const int64_t b0 = weight_group * units.batch_per_group + run * units.chunk;
+    const int steps =
+        static_cast<int>(std::min(units.chunk, units.batch_per_group - run * units.chunk));
+    const int64_t channel = block * at.rows_per_item + at.lane / group;
+    const bool row_live = channel < p.channels, live = at.in_row && row_live;
+    const int64_t d = row_live ? channel : 0;  // loads stay in range
+    // The offset of the lane's pack in the next fetch's batch row.
+    int64_t next_row = (b0 * p.channels + d) * p.length;
+    const auto fetch = [&](int step) {
+      const bool fetched = live && step < steps;
+      x_ring.fetch(step, x + next_row, fetched);
+      dy_ring.fetch(step, dy + next_row, fetched);
+      ring_commit();
+      next_row += row_step;
     };
-    if (masked) {
-      input_grads(std::true_type{});
-    } else {
-      input_grads(std::false_type{});
-    }
-    if (live) {
-      if (p.dfinal_state != nullptr && t0 + V > p.length - P) {
-        for (int j = 0; j < V; ++j) gx[j] += conv.final_state_grad(b, t0 + j, d);
+    for (int step = 0; step < kShortBackwardDepth; ++step) fetch(step);
+    float w[K][1], bias[1];
+    load_param_row<T>(p, weight_group * p.channels + d, w, bias);
+    float dw[K + 1] = {};  // dw[K] is db
+    for (int step = 0; step < steps; ++step) {
+      // The rows' packs: a lane outside them (past the row's end or the channels) reads a slot
+      // it did not fill, whose values reach no dw term, dS or dx, as below.
+      const int64_t b = b0 + step;
+      float xs[P + V], dys[V];  // x_{t0-P} .. x_{t0+V-1}, dy_{t0} .. dy_{t0+V-1}
+      ring_wait<kShortBackwardDepth - 1>();
+      widen(x_ring.template read<T, V>(step), reinterpret_cast<float(&)[V]>(xs[P]));
+      widen(dy_ring.template read<T, V>(step), dys);
+      fetch(step + kShortBackwardDepth);  // into the slots just read
+      short_row_halo<T, K>(p, at, b, d, x, xs);
+      // With seq_idx, whether some row of the step has more than one id or padding: its deltas
+      // and dx take seq_idx's masks, segments[j] the entry of time t0 - P + j (j < P + V + P).
+      int32_t segments[P + V + P];
+      const bool masked = p.seq_idx != nullptr &&
+                          short_row_segments<V, P>(p.seq_idx + b * p.length, at, live, segments);
+      if (masked) {
+        for (int m = 0; m < P; ++m) {  // the times after the lane's: -1 past the row
+          const int32_t later = __shfl_down_sync(kFullWarp, segments[P + m % V], 1 + m / V, group);
+          segments[P + V + m] = t0 + V + m < p.length ? later : -1;
+        }
       }
-      store_vec(static_cast<T*>(p.dx) + cursor.row * p.length + t0, narrow<T, V>(gx));
+      // delta, and the row's dw/db terms (the lane's own times). A lane outside the rows computes
+      // deltas too, unused: no dw term, dS or dx reads a time that does not exist. Without the
+      // test, the unmasked deltas need no branch per element.
+      float delta[V];
+      if (masked) {
+        channel_first_deltas<true>(w, bias[0], xs, dys, segments, true, live, p.silu, delta, dw);
+      } else {
+        channel_first_deltas<false>(w, bias[0], xs, dys, segments, true, live, p.silu, delta, dw);
+      }
+      if (p.dinitial_state != nullptr) {
+        // dS = dx on [-P, 0): taps of outputs 0 .. P-1, the group's first lanes' (t < L).
+        float first[P];
+        for (int t = 0; t < P; ++t) first[t] = __shfl_sync(kFullWarp, delta[t % V], t / V, group);
+        if (g == 0 && row_live) {
+          // Output t's seq_idx entry where it matters (0 otherwise), -1 where it does not exist.
+          int32_t first_segment[P];
+          for (int t = 0; t < P; ++t) {
+            first_segment[t] = t >= p.length ? -1 : masked ? conv.segment(b, t) : 0;
+          }
+          const int32_t segment_u = masked ? conv.segment(b, 0) : 0;
+          for (int i = 0; i < P; ++i) {
+            float acc = 0.0f;
+            for (int k = 0; k <= i; ++k) {
+              const int t = i - k;
+              const bool used =
+                  masked ? same_segment(first_segment[t], segment_u) : first_segment[t] >= 0;
+              acc = used ? fmaf(w[k][0], first[t], acc) : acc;
+            }
+            acc += conv.final_state_grad(b, i - P, d);
+            conv.store_state_like(p.dinitial_state, b, i, d, acc);
+          }
+        }
+      }
+      // dx_{t0+j}: tap k of output t0 + j + P - k, from this lane's deltas or the next lanes'.
+      float after[P];
+      for (int m = 0; m < P; ++m) {
+        after[m] = __shfl_down_sync(kFullWarp, delta[m % V], 1 + m / V, group);
+      }
+      float gx[V];
+      const auto input_grads = [&](auto select) {
+        constexpr bool kSelect = decltype(select)::value;
+        for (int j = 0; j < V; ++j) {
+          float acc = 0.0f;
+          for (int k = 0; k < K; ++k) {
+            const int at = j + P - k;
+            const float delta_at = at < V ? delta[at] : after[at - V];
+            // Without seq_idx's masks, taps of outputs past the row are skipped.
+            const bool used = kSelect ? same_segment(segments[P + at], segments[P + j])
+                                      : at < V || t0 + at < p.length;
+            acc = used ? fmaf(w[k][0], delta_at, acc) : acc;
+          }
+          gx[j] = acc;
+        }
+      };
+      if (masked) {
+        input_grads(std::true_type{});
+      } else {
+        input_grads(std::false_type{});
+      }
+      if (live) {
+        if (p.dfinal_state != nullptr && t0 + V > p.length - P) {
+          for (int j = 0; j < V; ++j) gx[j] += conv.final_state_grad(b, t0 + j, d);
+        }
+        const int64_t row = next_row - (kShortBackwardDepth + 1) * row_step;  // b's, as fetched
+        store_vec(static_cast<T*>(p.dx) + t0 + row, narrow<T, V>(gx));
+      }
     }
     // The same tree for every group: unrolled over the five levels a warp has, those below the
     // group's width taken (a loop over the width ran 9 instructions per level and sum).
@@ -827,10 +858,9 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
     }
     if (g == 0 && row_live) {
-      float* out = partials + cursor.row * (K + 1);  // (b, slice 0, d)
+      float* out = partials + (rest * p.channels + d) * (K + 1);  // (group, run, d)
       for (int k = 0; k <= K; ++k) out[k] = dw[k];
     }
-    cursor.advance(p.channels);
   }
 }
 

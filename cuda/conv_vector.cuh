@@ -915,18 +915,15 @@ struct ShortRowLane {
   }
 };
 
-// The inputs of row (b, d) a short-row lane needs besides its own pack (in xs[P..]): its weights
-// and bias, and the P inputs before its times, from lower lanes of the group or, for the group's
-// first lanes, the initial state (zeros without one). x: the lane's pack of row 0.
+// The P inputs before a short-row lane's times in row (b, d) (xs[0 .. P), its own pack being in
+// xs[P..]), from lower lanes of the group or, for the group's first lanes, the initial state
+// (zeros without one). x: the lane's pack of row 0.
 template <typename T, int K, int V>
-__device__ __forceinline__ void short_row_window(const Conv<T, float, K>& conv,
-                                                 const ShortRowLane<V>& at, int64_t b, int64_t d,
-                                                 const T* x, float (&xs)[K - 1 + V],
-                                                 float (&w)[K][1], float (&bias)[1]) {
+__device__ __forceinline__ void short_row_halo(const ConvParams& p, const ShortRowLane<V>& at,
+                                               int64_t b, int64_t d, const T* x,
+                                               float (&xs)[K - 1 + V]) {
   constexpr int P = K - 1;
   constexpr int kCarryLanes = (P + V - 1) / V;  // lanes of a group whose halo reaches before t = 0
-  const ConvParams& p = conv.p;
-  load_row_weights(conv, b, d, at.batch_per_group, w, bias);
   ChannelFirstCarry<K> before;  // the initial state (or zeros), for the lanes that reach it
   const T* state_row = p.initial_state == nullptr || at.g >= kCarryLanes
                            ? nullptr
@@ -934,6 +931,17 @@ __device__ __forceinline__ void short_row_window(const Conv<T, float, K>& conv,
   before.load(x, state_row, 0);
   halo_before<P, V>(reinterpret_cast<const float(&)[V]>(xs[P]), before.x, at.g,
                     reinterpret_cast<float(&)[P]>(xs[0]), at.group);
+}
+
+// The inputs of row (b, d) a short-row lane needs besides its own pack (in xs[P..]): its weights
+// and bias, and short_row_halo's.
+template <typename T, int K, int V>
+__device__ __forceinline__ void short_row_window(const Conv<T, float, K>& conv,
+                                                 const ShortRowLane<V>& at, int64_t b, int64_t d,
+                                                 const T* x, float (&xs)[K - 1 + V],
+                                                 float (&w)[K][1], float (&bias)[1]) {
+  load_row_weights(conv, b, d, at.batch_per_group, w, bias);
+  short_row_halo<T, K>(conv.p, at, b, d, x, xs);
 }
 
 // With seq_idx (row: the row's entries): the lane's entries into segments[P .. P + V), and whether

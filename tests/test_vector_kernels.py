@@ -364,6 +364,30 @@ def test_channel_first_seq_idx_large(dev, dtype, shape):
     compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL", final="random")
 
 
+# Short rows under weight groups (vmapped parameters over one x: 3 groups of 301 batch rows): the
+# backward's runs stay inside a group, whose slices of partials the reduction sums; 6 channels
+# make a second channel block of 2 of its 4 rows (bf16 L = 64: 8 lanes a row).
+@pytest.mark.parametrize("dev", GPU)
+def test_short_rows_weight_groups(dev):
+    rng = np.random.default_rng(13)
+    members, batch, length, channels, width = 3, 301, 64, 6, 4
+    x = jnp.asarray(rng.standard_normal((batch, channels, length)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((members, channels, width)) / 2, jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((members, channels)), jnp.bfloat16)
+
+    def loss(conv, x, w, b):
+        y = conv(x, w, b, activation="silu", layout="BDL")
+        return jnp.sum(jnp.sin(y.astype(jnp.float64)))
+
+    grad = jax.vmap(jax.grad(partial(loss, jcc.causal_conv1d), argnums=(0, 1, 2)),
+                    in_axes=(None, 0, 0))
+    grads = jax.jit(grad)(*jax.device_put((x, w, b), device(dev)))
+    refs = jax.vmap(jax.grad(partial(loss, reference.causal_conv1d), argnums=(0, 1, 2)),
+                    in_axes=(None, 0, 0))(*jax.device_put(to_f64((x, w, b)), device("cpu")))
+    for what, g, r in zip(("dx", "dweight", "dbias"), grads, refs):
+        assert_close(g, r, jnp.bfloat16, what)
+
+
 # The masked forward's loop (turns of kForwardRing segments, then the whole segments left one at a
 # time, then the item's last) at every dtype and width: on the H200, 2048 rows of 4 channels make
 # items of whole rows of 8 segments (16-bit) and of 6, 8 or 16 (float32), so that turns and the
@@ -498,11 +522,16 @@ def test_short_rows_widths(dev, dtype, width):
         compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL", final="random")
 
 
-# More warp items than the GPU holds warps: each warp takes several items in turn.
+# More warp items than the GPU holds warps: each warp takes several items in turn. The backward's
+# warps take a block of channels over a run of batch rows (ShortRowUnits): few channels and many
+# rows make runs of several rows, the last one shorter (on the H200, bf16 1001 x 8: 4 channel
+# blocks, runs of 2; float32 701 x 7: 7 blocks, runs of 3).
 SHORT_MANY = [
     pytest.param(jnp.bfloat16, dict(batch=65, length=8, channels=4096), id="bf16-L8"),
     pytest.param(jnp.bfloat16, dict(batch=5, length=128, channels=4096), id="bf16-L128"),
     pytest.param(jnp.float32, dict(batch=9, length=64, channels=4093), id="f32-L64-odd"),
+    pytest.param(jnp.bfloat16, dict(batch=1001, length=128, channels=8), id="bf16-L128-runs"),
+    pytest.param(jnp.float32, dict(batch=701, length=128, channels=7), id="f32-L128-runs"),
 ]
 
 
@@ -514,3 +543,27 @@ def test_short_rows_many_items(dev, dtype, shape, masked):
     seq = short_seq_idx(shape["length"])[np.arange(shape["batch"]) % 3] if masked else None
     args, seq_idx = inputs(rng, dtype, width=4, layout="BDL", seq_idx=seq, **shape)
     compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL", final="random")
+
+
+# Short rows under weight groups (vmapped parameters over one x: 3 groups of 301 batch rows): the
+# backward's runs stay inside a group, whose slices of partials the reduction sums; 6 channels
+# make a second channel block of 2 of its 4 rows (bf16 L = 64: 8 lanes a row).
+@pytest.mark.parametrize("dev", GPU)
+def test_short_rows_weight_groups(dev):
+    rng = np.random.default_rng(13)
+    members, batch, length, channels, width = 3, 301, 64, 6, 4
+    x = jnp.asarray(rng.standard_normal((batch, channels, length)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((members, channels, width)) / 2, jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((members, channels)), jnp.bfloat16)
+
+    def loss(conv, x, w, b):
+        y = conv(x, w, b, activation="silu", layout="BDL")
+        return jnp.sum(jnp.sin(y.astype(jnp.float64)))
+
+    grad = jax.vmap(jax.grad(partial(loss, jcc.causal_conv1d), argnums=(0, 1, 2)),
+                    in_axes=(None, 0, 0))
+    grads = jax.jit(grad)(*jax.device_put((x, w, b), device(dev)))
+    refs = jax.vmap(jax.grad(partial(loss, reference.causal_conv1d), argnums=(0, 1, 2)),
+                    in_axes=(None, 0, 0))(*jax.device_put(to_f64((x, w, b)), device("cpu")))
+    for what, g, r in zip(("dx", "dweight", "dbias"), grads, refs):
+        assert_close(g, r, jnp.bfloat16, what)
