@@ -149,6 +149,20 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
         }
       }
       for (int step = 0; step < kDepth; ++step) fetch(step);
+      float w[K][C], bias[C], x[K][C], delta[K][C] = {};
+      // The window's rows and the weights, loaded before the ring's first wait so that their
+      // latencies overlap those of the ring's first rows: loaded after the read-ahead's first wait
+      // (kAhead) and with load_window_before, the bf16 K = 4 prologue waited for the ring, then
+      // for each of the three window rows in turn (sm_90 SASS). The window's loads go first: after
+      // the weights', ptxas put the last row's load after the wait. 16-bit K = 2 (8 channels a
+      // thread, at the cap of 128 registers) keeps them after the wait: before it, ptxas spilled
+      // 24-32 bytes.
+      constexpr bool kLoadsBeforeWait = !(sizeof(T) == 2 && K == 2);
+      const auto load_window_and_weights = [&] {
+        load_window_at_once(conv, b, t0, d0, x);
+        load_weights(conv, b, d0, w, bias);
+      };
+      if constexpr (kLoadsBeforeWait) load_window_and_weights();
       // With kAhead, the next step's rows. A row that was not fetched (past live_steps) holds an
       // older row's bytes or none: its step does not use it.
       Row x_next, dy_next;
@@ -160,10 +174,7 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
         ring_wait<kDepth - 1>();
         read_rows(0);
       }
-      float w[K][C], bias[C];
-      load_weights(conv, b, d0, w, bias);
-      float x[K][C], delta[K][C] = {};
-      load_window_before(conv, b, t0, d0, x);
+      if constexpr (!kLoadsBeforeWait) load_window_and_weights();
       using Segments = SegmentSteps<K, C>;
       const Segments segments{p, b, t0, d0, live_steps};
       // One step; interior is std::true_type on the interior steps (see above), taps those of

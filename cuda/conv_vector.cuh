@@ -86,18 +86,24 @@ __device__ __forceinline__ void load_weight_runs(const Conv<T, float, K>& conv, 
   });
 }
 
-// C consecutive values of a channel-last row at time u as floats, for the halo rows before a
-// tile: the initial state for u < 0 (zeros without one).
+// Where the C consecutive values of a channel-last row at time u start, for the halo rows before
+// a tile: in the initial state for u < 0, or nullptr (zeros) without one.
+template <typename T, int K>
+__device__ __forceinline__ const T* halo_row(const Conv<T, float, K>& conv, int64_t b, int64_t u,
+                                             int64_t d0) {
+  const ConvParams& p = conv.p;
+  if (u >= 0) return static_cast<const T*>(p.x) + offset(p.x_strides, b, u, d0);
+  if (p.initial_state != nullptr) {
+    return static_cast<const T*>(p.initial_state) + offset(p.state_strides, b, u + K - 1, d0);
+  }
+  return nullptr;
+}
+
+// The halo row at time u as floats.
 template <typename T, int K, int C>
 __device__ __forceinline__ void load_row(const Conv<T, float, K>& conv, int64_t b, int64_t u,
                                          int64_t d0, float (&out)[C]) {
-  const ConvParams& p = conv.p;
-  const T* src = nullptr;
-  if (u >= 0) {
-    src = static_cast<const T*>(p.x) + offset(p.x_strides, b, u, d0);
-  } else if (p.initial_state != nullptr) {
-    src = static_cast<const T*>(p.initial_state) + offset(p.state_strides, b, u + K - 1, d0);
-  }
+  const T* src = halo_row(conv, b, u, d0);
   widen(src == nullptr ? zero_vec<T, C>() : load_readonly<T, C>(src), out);
 }
 
@@ -109,6 +115,24 @@ template <typename T, int K, int C>
 __device__ __forceinline__ void load_window_before(const Conv<T, float, K>& conv, int64_t b,
                                                    int64_t t0, int64_t d0, float (&x)[K][C]) {
   for (int k = 0; k < K - 1; ++k) load_row(conv, b, t0 - (K - 1) + k, d0, x[k]);
+}
+
+// load_window_before with the K - 1 loads all issued before any row is widened. In
+// load_window_before each row's Vec of 16-bit values, selected against zero_vec, compiled to PRMTs
+// inside the branch around its load, which waited for the load there: at bf16 K = 4 the rows came
+// one memory latency after another (sm_90 SASS). Raw words, zero where there is no row, leave the
+// loads' registers alone until all are issued. The channel-last forward keeps load_window_before:
+// built with this one, its kernels took up to 23 registers more (masked bf16 K = 7 96 -> 119, a
+// block per SM fewer).
+template <typename T, int K, int C>
+__device__ __forceinline__ void load_window_at_once(const Conv<T, float, K>& conv, int64_t b,
+                                                    int64_t t0, int64_t d0, float (&x)[K][C]) {
+  RawFor<T, C> rows[K - 1];
+  for (int k = 0; k < K - 1; ++k) {
+    const T* src = halo_row(conv, b, t0 - (K - 1) + k, d0);
+    rows[k] = load_readonly_or_zero<T, C>(src, src != nullptr);
+  }
+  for (int k = 0; k < K - 1; ++k) widen(from_raw<T, C>(rows[k]), x[k]);
 }
 
 // One step down K-row windows: row k of each takes row k + 1, freeing the last row for the next
