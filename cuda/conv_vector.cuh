@@ -35,14 +35,26 @@ constexpr int channels_per_thread() {
 
 // The K weights and the bias of params row row_of(c) (a Conv::param_row) into column c, as floats
 // (stored in float or in T: with_param_type picks which once, around all the loads).
-template <typename T, int K, int C, typename RowOf>
+// kPredicatedBias: the biases by predicated loads (load_runs' live), not in a branch on p.bias:
+// ptxas put the branch after the weights' conversions, so that a bias load was issued only once
+// the weights had come (sm_90 SASS, channel-last forward: bf16 K = 4 the last of its 4 biases,
+// bf16 K = 8 the bias run of load_weight_runs).
+template <typename T, bool kPredicatedBias = false, int K, int C, typename RowOf>
 __device__ __forceinline__ void load_param_rows(const ConvParams& p, const RowOf& row_of,
                                                 float (&w)[K][C], float (&bias)[C]) {
   with_param_type<T, float>(p.params_like_x, [&](auto like_x) {
+    using Param = std::conditional_t<decltype(like_x)::value, T, float>;
     for (int c = 0; c < C; ++c) {
       const int64_t row = row_of(c);
       for (int k = 0; k < K; ++k) w[k][c] = load_param<T, float>(p.weight, row * K + k, like_x);
-      bias[c] = p.bias ? load_param<T, float>(p.bias, row, like_x) : 0.0f;
+      if constexpr (kPredicatedBias) {
+        const Param* src = p.bias ? static_cast<const Param*>(p.bias) + row : nullptr;
+        float value[1];
+        load_runs(src, value, src != nullptr);
+        bias[c] = value[0];
+      } else {
+        bias[c] = p.bias ? load_param<T, float>(p.bias, row, like_x) : 0.0f;
+      }
     }
   });
 }
@@ -55,17 +67,19 @@ __device__ __forceinline__ void load_param_row(const ConvParams& p, int64_t row,
 }
 
 // The K weights and the bias of channels d0 .. d0 + C - 1 for batch row b.
-template <typename T, int K, int C>
+template <typename T, bool kPredicatedBias = false, int K, int C>
 __device__ __forceinline__ void load_weights(const Conv<T, float, K>& conv, int64_t b, int64_t d0,
                                              float (&w)[K][C], float (&bias)[C]) {
-  load_param_rows<T>(conv.p, [&](int c) { return conv.param_row(b, d0 + c); }, w, bias);
+  load_param_rows<T, kPredicatedBias>(conv.p, [&](int c) { return conv.param_row(b, d0 + c); }, w,
+                                      bias);
 }
 
 // load_weights in runs of up to 16 bytes (load_runs): channels d0 .. d0 + C - 1 are C consecutive
 // params rows (d0 and the channel count multiples of C), so the thread's K x C weights and C biases
 // are two runs of the (16-byte aligned) buffers, each aligned to its own size. At bf16 K = 8 a
 // thread's weights and biases took 36 scalar loads (520 L1 line lookups a warp), in runs 5 (66).
-template <typename T, int K, int C>
+// kPredicatedBias as in load_param_rows.
+template <typename T, bool kPredicatedBias = false, int K, int C>
 __device__ __forceinline__ void load_weight_runs(const Conv<T, float, K>& conv, int64_t b,
                                                  int64_t d0, float (&w)[K][C],
                                                  float (&bias)[C]) {
@@ -78,7 +92,10 @@ __device__ __forceinline__ void load_weight_runs(const Conv<T, float, K>& conv, 
     for (int c = 0; c < C; ++c) {
       for (int k = 0; k < K; ++k) w[k][c] = taps[c * K + k];
     }
-    if (p.bias != nullptr) {
+    if constexpr (kPredicatedBias) {
+      const Param* bias_row = p.bias ? static_cast<const Param*>(p.bias) + row : nullptr;
+      load_runs(bias_row, bias, bias_row != nullptr);
+    } else if (p.bias != nullptr) {
       load_runs(static_cast<const Param*>(p.bias) + row, bias);
     } else {
       for (int c = 0; c < C; ++c) bias[c] = 0.0f;
@@ -117,22 +134,35 @@ __device__ __forceinline__ void load_window_before(const Conv<T, float, K>& conv
   for (int k = 0; k < K - 1; ++k) load_row(conv, b, t0 - (K - 1) + k, d0, x[k]);
 }
 
-// load_window_before with the K - 1 loads all issued before any row is widened. In
-// load_window_before each row's Vec of 16-bit values, selected against zero_vec, compiled to PRMTs
-// inside the branch around its load, which waited for the load there: at bf16 K = 4 the rows came
-// one memory latency after another (sm_90 SASS). Raw words, zero where there is no row, leave the
-// loads' registers alone until all are issued. The channel-last forward keeps load_window_before:
-// built with this one, its kernels took up to 23 registers more (masked bf16 K = 7 96 -> 119, a
-// block per SM fewer).
+// The K - 1 halo rows before t0 of load_window_before as raw words, zero where there is no row,
+// their loads all issued before any is waited for. In load_window_before each row's Vec of 16-bit
+// values, selected against zero_vec, compiled to PRMTs inside the branch around its load, which
+// waited for the load there: at bf16 K = 4 the rows came one memory latency after another (sm_90
+// SASS). Raw words leave the loads' registers alone until the caller widens them (widen_window).
 template <typename T, int K, int C>
-__device__ __forceinline__ void load_window_at_once(const Conv<T, float, K>& conv, int64_t b,
-                                                    int64_t t0, int64_t d0, float (&x)[K][C]) {
-  RawFor<T, C> rows[K - 1];
+__device__ __forceinline__ void load_halo_words(const Conv<T, float, K>& conv, int64_t b,
+                                                int64_t t0, int64_t d0,
+                                                RawFor<T, C> (&rows)[K - 1]) {
   for (int k = 0; k < K - 1; ++k) {
     const T* src = halo_row(conv, b, t0 - (K - 1) + k, d0);
     rows[k] = load_readonly_or_zero<T, C>(src, src != nullptr);
   }
+}
+
+// Rows 0 .. K-2 of the window from load_halo_words' words.
+template <typename T, int K, int C>
+__device__ __forceinline__ void widen_window(const RawFor<T, C> (&rows)[K - 1], float (&x)[K][C]) {
   for (int k = 0; k < K - 1; ++k) widen(from_raw<T, C>(rows[k]), x[k]);
+}
+
+// load_window_before with all K - 1 loads issued before any row is widened, for callers with
+// nothing else to load in between (the channel-last backward).
+template <typename T, int K, int C>
+__device__ __forceinline__ void load_window_at_once(const Conv<T, float, K>& conv, int64_t b,
+                                                    int64_t t0, int64_t d0, float (&x)[K][C]) {
+  RawFor<T, C> rows[K - 1];
+  load_halo_words<T, K, C>(conv, b, t0, d0, rows);
+  widen_window<T, K, C>(rows, x);
 }
 
 // One step down K-row windows: row k of each takes row k + 1, freeing the last row for the next

@@ -216,15 +216,18 @@ __device__ __forceinline__ Vec<T, N> narrow(const A (&in)[N]) {
 // N consecutive elements of T from src as floats, in read-only loads of runs of the largest power
 // of two bytes, up to 16, that divides N * sizeof(T): src must be aligned to a run, as is any
 // N-element row of a 16-byte aligned buffer of such rows. (With one load an element, each of a
-// warp's load instructions looks up every L1 line that its threads' rows span.)
+// warp's load instructions looks up every L1 line that its threads' rows span.) Zeros where not
+// live (src may then be nullptr, the N elements one run), by predicated loads rather than a
+// branch: ptxas put a branch's loads after the conversions before it, which waited for their own
+// loads (see load_param_rows).
 template <typename T, int N>
-__device__ __forceinline__ void load_runs(const T* src, float (&out)[N]) {
+__device__ __forceinline__ void load_runs(const T* src, float (&out)[N], bool live = true) {
   constexpr int kBytes = N * static_cast<int>(sizeof(T));
   constexpr int kRunBytes = (kBytes & -kBytes) < 16 ? (kBytes & -kBytes) : 16;
   constexpr int kRun = kRunBytes / static_cast<int>(sizeof(T));
   for (int r = 0; r < N; r += kRun) {
     float run[kRun];
-    widen(load_readonly<T, kRun>(src + r), run);
+    widen(from_raw<T, kRun>(load_readonly_or_zero<T, kRun>(src + r, live)), run);
     for (int v = 0; v < kRun; ++v) out[r + v] = run[v];
   }
 }

@@ -43,6 +43,23 @@ constexpr int forward_channel_last_min_blocks() {
 // loads, untimed with runs.
 constexpr int kWeightRunsWidth = 6;
 
+// Whether an upward channel-last forward piece issues the loads it makes before the ring's first
+// wait all before it waits for any: the halo rows' words (load_halo_words) before the weights,
+// widened after them, and the biases by predicated loads (kPredicatedBias). Else each 16-bit halo
+// row waited for its load before the next was issued (see load_halo_words) and a bias for the
+// weights. Memory latencies in a row before a piece's first step (sm_90 SASS, bf16 and f16 alike,
+// params like x): unmasked K + 1 (K = 4: 5, K = 8: 9; downward pieces 2, unchanged) -> 1; with
+// seq_idx K + 4 -> 4, 3 of them the first chunk's seq_idx loads (SegmentSteps::run), which come
+// after the weights in both orders. Predicted to matter most where a piece is all a thread runs
+// (D = 256: one wave of 32-step pieces). The 16-bit K = 3 kernels but masked bf16 keep the order
+// (with it 64 -> 66-70 registers, 8 -> 7 blocks per SM), and the float ones too: their halo rows
+// were in flight together already (1 latency unmasked), and with seq_idx this took them 3 -> 4.
+template <typename T, int K, bool kMasked>
+constexpr bool forward_loads_at_once() {
+  if constexpr (sizeof(T) != 2) return false;
+  return K != 3 || (kMasked && std::is_same_v<T, __nv_bfloat16>);
+}
+
 // (B, L, D), D a multiple of C: a thread owns C channels over time_chunk steps and slides a
 // K-row register window down them; its next rows arrive through a RowRing. The step loop is
 // unrolled K times, so that the window shifts are register renaming. With seq_idx, the steps whose
@@ -112,11 +129,19 @@ __global__ void __launch_bounds__(kForwardThreads, forward_channel_last_min_bloc
         }
       }
       for (int step = 0; step < kForwardDepth; ++step) fetch(step);
+      // Up, with kLoadsAtOnce, the halo rows' words before the weights, widened after them (see
+      // forward_loads_at_once). Down, the biases stay in their branch: the piece then waits for
+      // its weights and then its biases (params every piece reads, mostly in the L2) while its
+      // first row comes from DRAM; with predicated biases there too, the bf16 K = 4 downward step
+      // loop took 253 -> 259 instructions per K steps (sm_90 SASS).
+      constexpr bool kLoadsAtOnce = !kDown && forward_loads_at_once<T, K, kMasked>();
+      Row halo[P];
+      if constexpr (kLoadsAtOnce) load_halo_words<T, K, C>(conv, b, t0, d0, halo);
       float w[K][C], bias[C];
       if constexpr (!kMasked && K >= kWeightRunsWidth) {
-        load_weight_runs(conv, b, d0, w, bias);
+        load_weight_runs<T, kLoadsAtOnce>(conv, b, d0, w, bias);
       } else {
-        load_weights(conv, b, d0, w, bias);
+        load_weights<T, kLoadsAtOnce>(conv, b, d0, w, bias);
       }
       // Up, window[k] holds x_{t-P+k} at the output of time t; down, x_{t-k}: tap k reads
       // window[tap(k)] either way.
@@ -130,6 +155,8 @@ __global__ void __launch_bounds__(kForwardThreads, forward_channel_last_min_bloc
       };
       if constexpr (kDown) {
         for (int step = 0; step < P; ++step) take(step, window[step]);
+      } else if constexpr (kLoadsAtOnce) {
+        widen_window<T, K, C>(halo, window);
       } else {
         load_window_before(conv, b, t0, d0, window);
       }
