@@ -432,10 +432,17 @@ constexpr int channel_first_forward_item_channels() {
 // uniform_segments (whose seq_idx loads then wait behind them). H200, packed BDL bf16 B=8 L=2048
 // D=4096, fwd kernel us, main -> primed (and chained where kChains): K = 2 82.9 -> 80.4, K = 3 82.5
 // -> 80.6, K = 4 82.3 -> 79.5, K = 5 83.9 -> 81.4, K = 8 90.1 -> 88.0, f16 K = 4 82.5 -> 79.5; but
-// the halves at K = 6 80.8 -> 82.7 and K = 7 82.6 -> 85.3, whose registers did not change.
+// the halves at K = 6 80.8 -> 82.7 and K = 7 82.6 -> 85.3, whose registers did not change. There
+// the priming cost uniform_segments' loop over its ballots (4 ballots a turn, 2 seq_idx loads each)
+// a round of loads in series: ptxas issued a turn's loads in 2 rounds (2, then 6) without it and
+// in 3 with it (bf16 K = 6 2-4-2, K = 7 2-2-4), two more L2 latencies an item of 8 ballots. The
+// loads wait behind registers: bounds tighter by a block took K = 6-7 to 4 rounds, spilling (sm_90 SASS,
+// twenty-fifth session's trial-prime67). Where the priming gained the loop kept its 2 rounds: at
+// width 32, and at K = 8 left free (96 registers, 5 blocks); at its bound of 6 blocks (80 registers)
+// the primed K = 8 takes 3 (2-2-4, 87.7-88.2 us), and 2 without the priming (untimed).
 template <typename T, int K, bool kMasked>
 constexpr bool channel_first_forward_primes() {
-  return kMasked && !(sizeof(T) == 2 && (K == 6 || K == 7));
+  return kMasked && !channel_first_forward_halves<T, K, kMasked>();
 }
 
 // (B, D, L), L a multiple of the pack V: a warp streams chunk_len times of one (b, d) row, lane l

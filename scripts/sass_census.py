@@ -6,7 +6,9 @@ the kernels whose demangled names match --kernel with cuobjdump, finds their loo
 branch back to an earlier address) and prints, for each loop of at least --min-loop instructions,
 its size and its instructions by kind (FP32 arithmetic, MUFU, conversions, shuffles, moves, address
 arithmetic, memory, ...), also divided by --per (the elements a lane handles per iteration, to
-compare with ncu's instructions executed per element). The whole kernel's count comes last.
+compare with ncu's instructions executed per element), and its global loads in rounds (those
+issued before a wait on one of them, read from the control bits). The whole kernel's count comes
+last.
 
     python3 scripts/sass_census.py --kernel 'backward_channel_first_kernel<__nv_bfloat16, 4, false'
 
@@ -93,6 +95,46 @@ def functions(sass: str) -> dict[str, list[tuple[int, str]]]:
     return out
 
 
+def controls(sass: str) -> dict[str, dict[int, int]]:
+    """Each function's control bits by address (sm_70 and later: the top 23 bits of the second
+    word of an instruction's encoding, the line after it)."""
+    out: dict[str, dict[int, int]] = {}
+    name = None
+    address = None
+    for line in sass.splitlines():
+        m = re.match(r"\s*Function : (\S+)", line)
+        if m:
+            name = m.group(1)
+            out[name] = {}
+            continue
+        m = LINE.search(line)
+        if m:
+            address = int(m.group(1), 16)
+            continue
+        m = re.match(r"\s*/\* (0x[0-9a-f]{16}) \*/\s*$", line)
+        if m and name is not None and address is not None:
+            out[name][address] = int(m.group(1), 16) >> 41
+            address = None
+    return out
+
+
+def load_rounds(body: list[tuple[int, str]], control: dict[int, int]) -> list[int]:
+    """The loop body's global loads in rounds: a round ends where an instruction waits on the
+    scoreboard of a load issued in it (the loads of the next round issue after that latency).
+    Control bits: write scoreboard bits 5-7 (7: none), wait mask bits 11-16."""
+    rounds = [0]
+    pending = set()  # the scoreboards of this round's loads
+    for address, text in body:
+        bits = control.get(address, 0)
+        if any(bits >> (11 + board) & 1 for board in pending):
+            rounds.append(0)
+            pending.clear()
+        if re.sub(r"^@!?U?P\w+\s+", "", text).split(".")[0].split(" ")[0] == "LDG":
+            rounds[-1] += 1
+            pending.add(bits >> 5 & 7)
+    return [n for n in rounds if n]
+
+
 def demangle(names: list[str]) -> dict[str, str]:
     filt = shutil.which("c++filt")
     if filt is None:
@@ -172,6 +214,7 @@ def main(argv=None) -> int:
         if sass is None:
             return 1
     funcs = functions(sass)
+    control = controls(sass)
     names = demangle(list(funcs))
     pattern = re.compile(args.kernel)
     matched = [f for f in funcs if pattern.search(names[f])]
@@ -192,6 +235,8 @@ def main(argv=None) -> int:
             if len(body) >= args.min_loop:
                 nested = f" (holds {inner} inner loops, counted again)" if inner else ""
                 print_census(f"loop {start:#06x}-{end:#06x}{nested}", census(body), args.per)
+                if rounds := load_rounds(body, control[f]):
+                    print(f"    global loads by round (each after a wait on the last): {rounds}")
         print_census("whole kernel (static)", census(code), args.per)
     return 0
 
