@@ -481,6 +481,15 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
     return item.row * p.length + lane * V;
   };
   const auto lane_end_of = [&](const ChannelFirstItem& item) { return item.c1 - lane * V; };
+  // The lane's packs of the first kForwardAhead segments from c0, in ring steps 0 ..
+  // kForwardAhead - 1, each in a commit group of its own (a pack past lane_end is not fetched).
+  const auto fetch_first = [&](int64_t lane_at, int64_t lane_end, int64_t c0) {
+    for (int a = 0; a < kForwardAhead; ++a) {
+      const int64_t s = c0 + a * kSegment;
+      x_ring.fetch(a, x + lane_at + s, s < lane_end);
+      ring_commit();
+    }
+  };
   // Whether the ring holds the lane's packs of the next run's first kForwardAhead segments (in
   // ring steps 0 .. kForwardAhead - 1), each in its own commit group. Each warp of the launch runs
   // one item (grid_for_warps): without seq_idx a single channel, whose first packs it can only
@@ -524,9 +533,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
       x_ring.fetch(step, x + lane_at + s, s < lane_end);
       ring_commit();
     };
-    if (!primed) {
-      for (int a = 0; a < kForwardAhead; ++a) fetch(item.c0 + a * kSegment, a);
-    }
+    if (!primed) fetch_first(lane_at, lane_end, item.c0);
     // With chain, the item's last kForwardAhead segments fetch the next channel's first ones (all
     // whole: the item has kForwardRing segments or more) into the ring steps after this channel's,
     // which are the slots of its first segments where the item's segments fill whole turns of the
@@ -621,11 +628,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
             const int64_t lane_at = lane_at_of(item);
             int64_t lane_end = lane_end_of(item);
             asm("" : "+l"(lane_end));
-            for (int a = 0; a < kForwardAhead; ++a) {
-              const int64_t s = item.c0 + a * kSegment;
-              x_ring.fetch(a, x + lane_at + s, s < lane_end);
-              ring_commit();
-            }
+            fetch_first(lane_at, lane_end, item.c0);
             primed = true;
           }
         },
