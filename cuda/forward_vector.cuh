@@ -50,10 +50,12 @@ constexpr int kWeightRunsWidth = 6;
 // weights. Memory latencies in a row before a piece's first step (sm_90 SASS, bf16 and f16 alike,
 // params like x): unmasked K + 1 (K = 4: 5, K = 8: 9; downward pieces 2, unchanged) -> 1; with
 // seq_idx K + 4 -> 4, 3 of them the first chunk's seq_idx loads (SegmentSteps::run), which come
-// after the weights in both orders. Predicted to matter most where a piece is all a thread runs
-// (D = 256: one wave of 32-step pieces). The 16-bit K = 3 kernels but masked bf16 keep the order
-// (with it 64 -> 66-70 registers, 8 -> 7 blocks per SM), and the float ones too: their halo rows
-// were in flight together already (1 latency unmasked), and with seq_idx this took them 3 -> 4.
+// after the weights in both orders. H200 traces, bf16 B=8 L=2048 D=4096 fwd us (twenty-sixth
+// session): K = 8 75.8 -> 73.7, packed K = 4 75.5 -> 73.7, K = 4 69.8 unchanged; at D = 256,
+// where a piece is all a thread runs and the most was predicted (1-2 us), only 7.25 -> 6.94. The
+// 16-bit K = 3 kernels but masked bf16 keep the order (with it 64 -> 66-70 registers, 8 -> 7
+// blocks per SM), and the float ones too: their halo rows were in flight together already (1
+// latency unmasked), and with seq_idx this took them 3 -> 4.
 template <typename T, int K, bool kMasked>
 constexpr bool forward_loads_at_once() {
   if constexpr (sizeof(T) != 2) return false;
@@ -436,10 +438,11 @@ constexpr int channel_first_forward_item_channels() {
 // the priming cost uniform_segments' loop over its ballots (4 ballots a turn, 2 seq_idx loads each)
 // a round of loads in series: ptxas issued a turn's loads in 2 rounds (2, then 6) without it and
 // in 3 with it (bf16 K = 6 2-4-2, K = 7 2-2-4), two more L2 latencies an item of 8 ballots. The
-// loads wait behind registers: bounds tighter by a block took K = 6-7 to 4 rounds, spilling (sm_90 SASS,
-// twenty-fifth session's trial-prime67). Where the priming gained the loop kept its 2 rounds: at
-// width 32, and at K = 8 left free (96 registers, 5 blocks); at its bound of 6 blocks (80 registers)
-// the primed K = 8 takes 3 (2-2-4, 87.7-88.2 us), and 2 without the priming (untimed).
+// loads wait behind registers: bounds tighter by a block took K = 6-7 to 4 rounds, spilling
+// (sm_90 SASS, twenty-fifth session's trial-prime67). Where the priming gained the loop kept its
+// 2 rounds: at width 32, and at K = 8 left free (96 registers, 5 blocks); at its bound of 6
+// blocks (80 registers) the primed K = 8 takes 3 (2-2-4), and 2 without the priming: 87.1 ->
+// 86.5-87.0 us in the twenty-sixth session's traces (87.7-88.2 primed the session before).
 template <typename T, int K, bool kMasked>
 constexpr bool channel_first_forward_primes() {
   return kMasked && !channel_first_forward_halves<T, K, kMasked>();
