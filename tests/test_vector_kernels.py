@@ -364,30 +364,6 @@ def test_channel_first_seq_idx_large(dev, dtype, shape):
     compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL", final="random")
 
 
-# Short rows under weight groups (vmapped parameters over one x: 3 groups of 301 batch rows): the
-# backward's runs stay inside a group, whose slices of partials the reduction sums; 6 channels
-# make a second channel block of 2 of its 4 rows (bf16 L = 64: 8 lanes a row).
-@pytest.mark.parametrize("dev", GPU)
-def test_short_rows_weight_groups(dev):
-    rng = np.random.default_rng(13)
-    members, batch, length, channels, width = 3, 301, 64, 6, 4
-    x = jnp.asarray(rng.standard_normal((batch, channels, length)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((members, channels, width)) / 2, jnp.bfloat16)
-    b = jnp.asarray(rng.standard_normal((members, channels)), jnp.bfloat16)
-
-    def loss(conv, x, w, b):
-        y = conv(x, w, b, activation="silu", layout="BDL")
-        return jnp.sum(jnp.sin(y.astype(jnp.float64)))
-
-    grad = jax.vmap(jax.grad(partial(loss, jcc.causal_conv1d), argnums=(0, 1, 2)),
-                    in_axes=(None, 0, 0))
-    grads = jax.jit(grad)(*jax.device_put((x, w, b), device(dev)))
-    refs = jax.vmap(jax.grad(partial(loss, reference.causal_conv1d), argnums=(0, 1, 2)),
-                    in_axes=(None, 0, 0))(*jax.device_put(to_f64((x, w, b)), device("cpu")))
-    for what, g, r in zip(("dx", "dweight", "dbias"), grads, refs):
-        assert_close(g, r, jnp.bfloat16, what)
-
-
 # The masked forward's loop (turns of kForwardRing segments, then the whole segments left one at a
 # time, then the item's last) at every dtype and width: on the H200, 2048 rows of 4 channels make
 # items of whole rows of 8 segments (16-bit) and of 6, 8 or 16 (float32), so that turns and the
