@@ -228,18 +228,17 @@ def test_channel_last_final_state_seq_idx(dev, dtype, width):
                     final="random")
 
 
-# The same blocks under weight groups (vmapped parameters over one x: 3 groups of 2 batch rows),
-# whose dw/db the reduction sums over each group's rows and slices.
-@pytest.mark.parametrize("dev", GPU)
-def test_grouped_tiles_weight_groups(dev):
-    rng = np.random.default_rng(12)
-    members, batch, length, channels, width = 3, 2, 650, 256, 4
-    x = jnp.asarray(rng.standard_normal((batch, length, channels)), jnp.bfloat16)
+def assert_weight_group_grads(dev, rng, x, members, width, layout):
+    """dx, dw and db of a loss through causal_conv1d with bf16 parameters vmapped over `members`
+    weight groups (x shared: one call, the groups' dw/db summed over their own batch rows) against
+    the reference's, in float64 on the CPU."""
+    channels = x.shape[-1] if layout == "BLD" else x.shape[1]
     w = jnp.asarray(rng.standard_normal((members, channels, width)) / 2, jnp.bfloat16)
     b = jnp.asarray(rng.standard_normal((members, channels)), jnp.bfloat16)
 
     def loss(conv, x, w, b):
-        return jnp.sum(jnp.sin(conv(x, w, b, activation="silu").astype(jnp.float64)))
+        y = conv(x, w, b, activation="silu", layout=layout)
+        return jnp.sum(jnp.sin(y.astype(jnp.float64)))
 
     grad = jax.vmap(jax.grad(partial(loss, jcc.causal_conv1d), argnums=(0, 1, 2)),
                     in_axes=(None, 0, 0))
@@ -248,6 +247,16 @@ def test_grouped_tiles_weight_groups(dev):
                     in_axes=(None, 0, 0))(*jax.device_put(to_f64((x, w, b)), device("cpu")))
     for what, g, r in zip(("dx", "dweight", "dbias"), grads, refs):
         assert_close(g, r, jnp.bfloat16, what)
+
+
+# The same blocks under weight groups (vmapped parameters over one x: 3 groups of 2 batch rows),
+# whose dw/db the reduction sums over each group's rows and slices.
+@pytest.mark.parametrize("dev", GPU)
+def test_grouped_tiles_weight_groups(dev):
+    rng = np.random.default_rng(12)
+    members, batch, length, channels, width = 3, 2, 650, 256, 4
+    x = jnp.asarray(rng.standard_normal((batch, length, channels)), jnp.bfloat16)
+    assert_weight_group_grads(dev, rng, x, members, width, "BLD")
 
 
 # The unmasked channel-last forward at K >= 6 loads a thread's weights and biases in runs of up to
@@ -529,17 +538,4 @@ def test_short_rows_weight_groups(dev):
     rng = np.random.default_rng(13)
     members, batch, length, channels, width = 3, 301, 64, 6, 4
     x = jnp.asarray(rng.standard_normal((batch, channels, length)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((members, channels, width)) / 2, jnp.bfloat16)
-    b = jnp.asarray(rng.standard_normal((members, channels)), jnp.bfloat16)
-
-    def loss(conv, x, w, b):
-        y = conv(x, w, b, activation="silu", layout="BDL")
-        return jnp.sum(jnp.sin(y.astype(jnp.float64)))
-
-    grad = jax.vmap(jax.grad(partial(loss, jcc.causal_conv1d), argnums=(0, 1, 2)),
-                    in_axes=(None, 0, 0))
-    grads = jax.jit(grad)(*jax.device_put((x, w, b), device(dev)))
-    refs = jax.vmap(jax.grad(partial(loss, reference.causal_conv1d), argnums=(0, 1, 2)),
-                    in_axes=(None, 0, 0))(*jax.device_put(to_f64((x, w, b)), device("cpu")))
-    for what, g, r in zip(("dx", "dweight", "dbias"), grads, refs):
-        assert_close(g, r, jnp.bfloat16, what)
+    assert_weight_group_grads(dev, rng, x, members, width, "BDL")
