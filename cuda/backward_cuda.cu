@@ -206,23 +206,6 @@ inline int64_t steps_per_thread(int64_t columns, int64_t length, int64_t residen
   return std::min(kMaxSteps, std::max(min_steps, (length + pieces - 1) / pieces));
 }
 
-// The short-row backward's units (ShortRowUnits) for a device that holds resident_warps of its
-// warps (0: unknown): runs of batch rows cut by channel_first_chunk's model of waves, a batch row
-// standing for a segment (and a unit's weights, ring fill and reduction for an item's fixed
-// cost), so that many channels take long runs and few channels short ones that fill the device.
-// B=64 L=128 D=4096 (bf16: 2048 channel blocks of 2 rows, 2112 warps on the H200) takes whole
-// 64-row runs, a unit a warp.
-ShortRowUnits short_row_units(const ConvParams& p, int group, int64_t resident_warps) {
-  const int64_t rows_per_item = kLanes / group;
-  const int64_t blocks = (p.channels + rows_per_item - 1) / rows_per_item;
-  const int64_t batch_per_group = p.batch / p.groups;
-  const int64_t chunk = channel_first_chunk(p.groups * blocks, batch_per_group, 1, resident_warps,
-                                            kUnlimitedSegments);
-  const int64_t runs = (batch_per_group + chunk - 1) / chunk;
-  return ShortRowUnits{chunk, FastDivisor(runs), FastDivisor(blocks), batch_per_group,
-                       p.groups * runs * blocks};
-}
-
 // Launches dx, dS and the dw/db partials; returns where the partials lie.
 template <typename T, int K, bool kMasked>
 PartialSlices launch_vector_backward(cudaStream_t stream, const ConvParams& p, float* partials) {
@@ -248,14 +231,9 @@ PartialSlices launch_vector_backward(cudaStream_t stream, const ConvParams& p, f
   }
   if (const int group = short_row_group(p.length, kPack<T>); group > 0) {
     constexpr auto kernel = backward_short_rows_kernel<T, K>;
-    const int64_t resident_warps = resident_threads<kernel>(kThreads) / kLanes;
-    const ShortRowUnits units = short_row_units(p, group, resident_warps);
-    const int64_t warps =
-        resident_warps > 0 ? std::min(units.count, resident_warps) : units.count;
-    const int64_t blocks =
-        std::max<int64_t>(1, std::min(kMaxGridBlocks, (warps * kLanes + kThreads - 1) / kThreads));
-    kernel<<<blocks, kThreads, 0, stream>>>(p, partials, group, units);
-    return {1, units.runs.d};
+    const ShortRowLaunch launch = short_row_launch<kernel>(p, group);
+    kernel<<<launch.blocks, kThreads, 0, stream>>>(p, partials, group, launch.units);
+    return {1, launch.units.runs.d};
   }
   constexpr auto kernel = backward_channel_first_kernel<T, K, kMasked>;
   constexpr int kWidth = channel_first_backward_width<T, kMasked>();

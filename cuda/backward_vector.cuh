@@ -716,19 +716,6 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
 // one row in flight: its rotating moves waited on each row's loads an item after their issue.
 constexpr int kShortBackwardDepth = 4;
 
-// How the short-row backward cuts its rows into warp units (built on the host): a unit is a block
-// of rows_per_item consecutive channels (the last block of a row fewer) over a run of up to
-// `chunk` consecutive batch rows of one weight group, in the order (group, run, block), blocks
-// fastest. Its lanes load their weights once and sum their dw/db over the run, one slice of
-// partials per run: partials[group, run, d, 0..K].
-struct ShortRowUnits {
-  int64_t chunk;             // batch rows per run (the group's last run fewer)
-  FastDivisor runs;          // runs per weight group
-  FastDivisor blocks;        // channel blocks: D / rows_per_item rounded up
-  int64_t batch_per_group;
-  int64_t count;             // units: groups x runs x blocks
-};
-
 // (B, D, L), L a multiple of the pack V and at most 32 V: group lanes per row (short_row_group),
 // a warp unit (ShortRowUnits) at a time, one batch row of its channel block per step, the next
 // kShortBackwardDepth steps' packs in flight. Per row it writes dx (and dS); per unit, its
@@ -755,14 +742,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   const T* dy = static_cast<const T*>(p.dy) + t0;
   const int64_t row_step = p.channels * p.length;  // from a batch row's pack to the next's
   for (int64_t unit = at.first_item; unit < units.count; unit += at.items_step) {
-    const int64_t rest = unit / units.blocks, block = unit - rest * units.blocks.d;
-    const int64_t weight_group = rest / units.runs, run = rest - weight_group * units.runs.d;
-    const int64_t b0 = weight_group * units.batch_per_group + run * units.chunk;
-    const int steps =
-        static_cast<int>(std::min(units.chunk, units.batch_per_group - run * units.chunk));
-    const int64_t channel = block * at.rows_per_item + at.lane / group;
-    const bool row_live = channel < p.channels, live = at.in_row && row_live;
-    const int64_t d = row_live ? channel : 0;  // loads stay in range
+    const ShortRowUnit where(p, units, at, unit);
+    const int64_t b0 = where.b0, d = where.d;
+    const int steps = where.steps;
+    const bool row_live = where.row_live, live = at.in_row && row_live;
     // The offset of the lane's pack in the next fetch's batch row.
     int64_t next_row = (b0 * p.channels + d) * p.length;
     const auto fetch = [&](int step) {
@@ -774,7 +757,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     };
     for (int step = 0; step < kShortBackwardDepth; ++step) fetch(step);
     float w[K][1], bias[1];
-    load_param_row<T>(p, weight_group * p.channels + d, w, bias);
+    load_param_row<T>(p, where.weight_group * p.channels + d, w, bias);
     float dw[K + 1] = {};  // dw[K] is db
     for (int step = 0; step < steps; ++step) {
       // The rows' packs: a lane outside them (past the row's end or the channels) reads a slot
@@ -873,7 +856,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
     }
     if (g == 0 && row_live) {
-      float* out = partials + (rest * p.channels + d) * (K + 1);  // (group, run, d)
+      float* out = partials + (where.rest * p.channels + d) * (K + 1);  // (group, run, d)
       for (int k = 0; k <= K; ++k) out[k] = dw[k];
     }
   }

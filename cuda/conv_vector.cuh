@@ -892,12 +892,12 @@ __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
 // ---- channel-first short rows: several rows per warp ----
 //
 // A row of at most 32 packs takes a group of lanes (a power of two, at least its packs), lane g of
-// the group owning times [g V, (g + 1) V); a warp takes 32 / group consecutive rows at a time, so
-// that its lanes' 16-byte accesses are one contiguous block, and the rows of its next items are in
-// flight while it computes these. Halos are shuffles within the group (width group): a row has no
-// neighbour segments. With one row per warp, rows of 16 packs left half the lanes idle, and a
-// warp's loads were only its one row's: 256 bytes in flight per warp where the bytes from DRAM
-// need about 40 KB per SM.
+// the group owning times [g V, (g + 1) V); a warp takes 32 / group consecutive channels of one
+// batch row at a time, so that its lanes' 16-byte accesses are one contiguous block, and walks
+// them down a run of batch rows (ShortRowUnits), the next rows' packs in flight while it computes
+// these. Halos are shuffles within the group (width group): a row has no neighbour segments. With
+// one row per warp, rows of 16 packs left half the lanes idle, and a warp's loads were only its
+// one row's: 256 bytes in flight per warp where the bytes from DRAM need about 40 KB per SM.
 
 // Lanes per row for the short-row kernels: the packs of a row rounded up to a power of two; 0 for
 // rows of more than 32 packs (the segment kernels').
@@ -909,63 +909,60 @@ inline int short_row_group(int64_t length, int pack) {
   return group;
 }
 
-// The rows a short-row lane takes in turn, row, row + stride, ..., with their (b, d), stepped
-// without a division per step.
-struct ShortRowCursor {
-  int64_t row, b, d;
-  int64_t stride, stride_b, stride_d;  // the step, as rows and as (b, d)
-
-  __device__ __forceinline__ ShortRowCursor(int64_t first, int64_t stride, int64_t channels)
-      : row(first), b(first / channels), d(first % channels), stride(stride),
-        stride_b(stride / channels), stride_d(stride % channels) {}
-
-  __device__ __forceinline__ void advance(int64_t channels) {
-    row += stride;
-    b += stride_b;
-    d += stride_d;
-    if (d >= channels) {
-      d -= channels;
-      ++b;
-    }
-  }
-};
-
-// The K weights and the bias of row (b, d), as load_weights, with batch_per_group = batch /
-// groups given: without vmapped weights (one group) a row needs no division.
-template <typename T, int K>
-__device__ __forceinline__ void load_row_weights(const Conv<T, float, K>& conv, int64_t b,
-                                                 int64_t d, int64_t batch_per_group,
-                                                 float (&w)[K][1], float (&bias)[1]) {
-  const ConvParams& p = conv.p;
-  load_param_row<T>(p, (p.groups == 1 ? 0 : b / batch_per_group) * p.channels + d, w, bias);
-}
-
 // Where a short-row lane stands: lane g of its group of `group` lanes (short_row_group) holds
-// times [t0, t0 + V) of each row it takes; its warp takes warp items first_item,
-// first_item + items_step, ... of rows_per_item rows.
+// times [t0, t0 + V) of each row it takes; its warp takes units (ShortRowUnits) first_item,
+// first_item + items_step, ..., channel lane / group of each unit's block of rows_per_item.
 template <int V>
 struct ShortRowLane {
   int group, lane, g, rows_per_item;
-  int64_t rows, t0;
+  int64_t t0;
   bool in_row;  // whether the lane's times are in the rows (L may be less than group packs)
-  int64_t first_item, items_step, batch_per_group;
+  int64_t first_item, items_step;
 
   __device__ __forceinline__ ShortRowLane(const ConvParams& p, int group)
       : group(group),
         lane(threadIdx.x % kLanes),
         g(lane % group),
         rows_per_item(kLanes / group),
-        rows(p.batch * p.channels),
         t0(int64_t{g} * V),
         in_row(t0 < p.length),
         first_item(blockIdx.x * int64_t{blockDim.x / kLanes} + threadIdx.x / kLanes),
-        items_step(int64_t{gridDim.x} * (blockDim.x / kLanes)),
-        batch_per_group(p.batch / p.groups) {}
+        items_step(int64_t{gridDim.x} * (blockDim.x / kLanes)) {}
+};
 
-  // The lane's first row and its step from one item to the next.
-  __device__ __forceinline__ ShortRowCursor cursor(int64_t channels) const {
-    return ShortRowCursor(first_item * rows_per_item + lane / group, items_step * rows_per_item,
-                          channels);
+// How the short-row kernels cut their rows into warp units (built on the host, short_row_units):
+// a unit is a block of rows_per_item consecutive channels (the last block of a row fewer) over a
+// run of up to `chunk` consecutive batch rows of one weight group, in the order (group, run,
+// block), blocks fastest. Its lanes load their weights once; the backward sums its dw/db over the
+// run, one slice of partials per run: partials[group, run, d, 0..K].
+struct ShortRowUnits {
+  int64_t chunk;             // batch rows per run (the group's last run fewer)
+  FastDivisor runs;          // runs per weight group
+  FastDivisor blocks;        // channel blocks: D / rows_per_item rounded up
+  int64_t batch_per_group;
+  int64_t count;             // units: groups x runs x blocks
+};
+
+// Where a short-row lane's unit lies: its first batch row b0, its rows (steps), its channel d
+// (0 where the lane is past the channels, row_live false, so that its loads stay in range) and
+// the (group, run) index `rest` of its slice of partials.
+struct ShortRowUnit {
+  int64_t rest, weight_group, b0, d;
+  int steps;
+  bool row_live;
+
+  template <int V>
+  __device__ __forceinline__ ShortRowUnit(const ConvParams& p, const ShortRowUnits& units,
+                                          const ShortRowLane<V>& at, int64_t unit) {
+    rest = unit / units.blocks;
+    const int64_t block = unit - rest * units.blocks.d;
+    weight_group = rest / units.runs;
+    const int64_t run = rest - weight_group * units.runs.d;
+    b0 = weight_group * units.batch_per_group + run * units.chunk;
+    steps = static_cast<int>(std::min(units.chunk, units.batch_per_group - run * units.chunk));
+    const int64_t channel = block * at.rows_per_item + at.lane / at.group;
+    row_live = channel < p.channels;
+    d = row_live ? channel : 0;
   }
 };
 
@@ -985,17 +982,6 @@ __device__ __forceinline__ void short_row_halo(const ConvParams& p, const ShortR
   before.load(x, state_row, 0);
   halo_before<P, V>(reinterpret_cast<const float(&)[V]>(xs[P]), before.x, at.g,
                     reinterpret_cast<float(&)[P]>(xs[0]), at.group);
-}
-
-// The inputs of row (b, d) a short-row lane needs besides its own pack (in xs[P..]): its weights
-// and bias, and short_row_halo's.
-template <typename T, int K, int V>
-__device__ __forceinline__ void short_row_window(const Conv<T, float, K>& conv,
-                                                 const ShortRowLane<V>& at, int64_t b, int64_t d,
-                                                 const T* x, float (&xs)[K - 1 + V],
-                                                 float (&w)[K][1], float (&bias)[1]) {
-  load_row_weights(conv, b, d, at.batch_per_group, w, bias);
-  short_row_halo<T, K>(conv.p, at, b, d, x, xs);
 }
 
 // With seq_idx (row: the row's entries): the lane's entries into segments[P .. P + V), and whether

@@ -65,17 +65,38 @@ int64_t resident_threads(int block_threads) {
   return resident;
 }
 
-// Blocks for a channel-first short-row kernel (rows of at most 32 packs, group lanes each): a
-// warp per item of 32 / group rows, but no more warps than the device holds at once, so that each
-// takes its items in turn with the next ones' rows in flight.
-template <auto kKernel>
-int64_t short_row_blocks(const ConvParams& p, int group) {
+// The short-row kernels' units (ShortRowUnits) for a device that holds resident_warps of their
+// warps (0: unknown): runs of batch rows cut by channel_first_chunk's model of waves, a batch row
+// standing for a segment (and a unit's weights and ring fill, and the backward's reduction, for
+// an item's fixed cost), so that many channels take long runs and few channels short ones that
+// fill the device. B=64 L=128 D=4096 (bf16: 2048 channel blocks of 2 rows) takes whole 64-row
+// runs in the backward (2112 warps on the H200), a unit a warp, and 32-row runs in the forward
+// (K = 4: 4224 warps), 4096 units.
+inline ShortRowUnits short_row_units(const ConvParams& p, int group, int64_t resident_warps) {
   const int64_t rows_per_item = kLanes / group;
-  int64_t warps = (p.batch * p.channels + rows_per_item - 1) / rows_per_item;
-  if (const int64_t resident = resident_threads<kKernel>(kThreads); resident > 0) {
-    warps = std::min(warps, resident / kLanes);
-  }
-  return std::max<int64_t>(1, std::min(kMaxGridBlocks, (warps * kLanes + kThreads - 1) / kThreads));
+  const int64_t blocks = (p.channels + rows_per_item - 1) / rows_per_item;
+  const int64_t batch_per_group = p.batch / p.groups;
+  const int64_t chunk = channel_first_chunk(p.groups * blocks, batch_per_group, 1, resident_warps,
+                                            kUnlimitedSegments);
+  const int64_t runs = (batch_per_group + chunk - 1) / chunk;
+  return ShortRowUnits{chunk, FastDivisor(runs), FastDivisor(blocks), batch_per_group,
+                       p.groups * runs * blocks};
+}
+
+// A short-row kernel's launch: its units, and blocks of kThreads for a warp per unit but no more
+// warps than the device holds at once, so that each takes its units in turn.
+struct ShortRowLaunch {
+  ShortRowUnits units;
+  int64_t blocks;
+};
+
+template <auto kKernel>
+ShortRowLaunch short_row_launch(const ConvParams& p, int group) {
+  const int64_t resident_warps = resident_threads<kKernel>(kThreads) / kLanes;
+  const ShortRowUnits units = short_row_units(p, group, resident_warps);
+  const int64_t warps = resident_warps > 0 ? std::min(units.count, resident_warps) : units.count;
+  const int64_t blocks = (warps * kLanes + kThreads - 1) / kThreads;
+  return {units, std::max<int64_t>(1, std::min(kMaxGridBlocks, blocks))};
 }
 
 // channel_first_chunk for kKernel's launch: its warp items of one chunk per row (as

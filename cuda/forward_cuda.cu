@@ -120,7 +120,8 @@ bool launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
   }
   if (const int group = short_row_group(p.length, kPack<T>); group > 0) {
     constexpr auto kernel = forward_short_rows_kernel<T, K>;
-    kernel<<<short_row_blocks<kernel>(p, group), kThreads, 0, stream>>>(p, group);
+    const ShortRowLaunch launch = short_row_launch<kernel>(p, group);
+    kernel<<<launch.blocks, kThreads, 0, stream>>>(p, group, launch.units);
     return false;
   }
   constexpr auto kernel = forward_channel_first_kernel<T, K, kMasked>;

@@ -648,49 +648,71 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
   }
 }
 
-// Warp items whose rows a short-row lane has in flight: 4 x 16 bytes, 2 KB per warp; 24 warps per
-// SM (the kernel takes 64-80 registers up to K = 7) then have 48 KB in flight.
-constexpr int kShortForwardAhead = 4;
+// Batch rows whose x packs a short-row forward lane has in flight, through a cp.async ring: 4 x 16
+// bytes, 2 KB a warp, 16 KB of shared memory a block. A register queue of 4 warp items (before)
+// was one item in flight: its rotating moves waited on each item's loads an item after their issue
+// (sm_90 SASS, bf16 K = 4), so that 24 warps per SM had about 12 KB in flight.
+constexpr int kShortForwardDepth = 4;
 
 // (B, D, L), L a multiple of the pack V and at most 32 V: group lanes per row (short_row_group),
-// 32 / group rows per warp item, the rows of the next kShortForwardAhead items in flight (see
-// ShortRowCursor). With seq_idx, an item whose rows each have one id >= 0 throughout (the P times
-// before a row have its first id) runs the unmasked arithmetic, the others seq_idx's masks.
+// a warp unit (ShortRowUnits) at a time, one batch row of its channel block per step, the next
+// kShortForwardDepth steps' packs in flight; weights and bias loaded once a unit. With seq_idx, a
+// step whose rows each have one id >= 0 throughout (the P times before a row have its first id)
+// runs the unmasked arithmetic, the others seq_idx's masks. With one channel block a warp item
+// per batch row, each item loaded its K + 1 weights (dependent loads at its start that its first
+// outputs waited on), rotated its queue and stepped a (b, d) cursor in 64-bit arithmetic: sm_90
+// SASS, bf16 K = 4 with silu and neither seq_idx nor states, 232 instructions an item, 167 a step
+// now (untimed).
 template <typename T, int K>
-__global__ void __launch_bounds__(kThreads) forward_short_rows_kernel(ConvParams p, int group) {
+__global__ void __launch_bounds__(kThreads)
+    forward_short_rows_kernel(ConvParams p, int group, ShortRowUnits units) {
   constexpr int V = kPack<T>;
   constexpr int P = K - 1;
-  const Conv<T, float, K> conv{p};
+  using Pack = RawFor<T, V>;
+  __shared__ Pack slots[kShortForwardDepth * kThreads];
+  const RowRing<kShortForwardDepth, Pack, kThreads> x_ring{slots};
   const ShortRowLane<V> at(p, group);
-  ShortRowCursor cursor = at.cursor(p.channels);
   const T* x = static_cast<const T*>(p.x) + at.t0;  // + row * L: the lane's pack of a row
-  const auto fetch = [&](int64_t row) {
-    return load_readonly_or_zero<T, V>(x + row * p.length, at.in_row && row < at.rows);
-  };
-  RawFor<T, V> ahead[kShortForwardAhead];  // the lane's packs of its next rows
-  for (int a = 0; a < kShortForwardAhead; ++a) ahead[a] = fetch(cursor.row + a * cursor.stride);
-  for (int64_t item = at.first_item; item * at.rows_per_item < at.rows; item += at.items_step) {
-    const bool row_live = cursor.row < at.rows, live = at.in_row && row_live;
-    const int64_t b = row_live ? cursor.b : 0, d = row_live ? cursor.d : 0;  // loads stay in range
-    float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}
-    widen(from_raw<T, V>(ahead[0]), reinterpret_cast<float(&)[V]>(xs[P]));
-    for (int a = 0; a + 1 < kShortForwardAhead; ++a) ahead[a] = ahead[a + 1];
-    ahead[kShortForwardAhead - 1] = fetch(cursor.row + kShortForwardAhead * cursor.stride);
+  T* y = static_cast<T*>(p.y) + at.t0;
+  const int64_t row_step = p.channels * p.length;  // from a batch row's pack to the next's
+  for (int64_t unit = at.first_item; unit < units.count; unit += at.items_step) {
+    const ShortRowUnit where(p, units, at, unit);
+    const int64_t d = where.d;
+    const int steps = where.steps;
+    const bool live = at.in_row && where.row_live;
+    // The offset of the lane's pack in the next fetch's batch row.
+    int64_t next_row = (where.b0 * p.channels + d) * p.length;
+    const auto fetch = [&](int step) {
+      x_ring.fetch(step, x + next_row, live && step < steps);
+      ring_commit();
+      next_row += row_step;
+    };
+    for (int step = 0; step < kShortForwardDepth; ++step) fetch(step);
     float w[K][1], bias[1];
-    short_row_window(conv, at, b, d, x, xs, w, bias);
-    float out[V];
-    int32_t segments[P + V];  // with seq_idx: the entry of xs[j]
-    const bool masked = p.seq_idx != nullptr &&
-                        short_row_segments<V, P>(p.seq_idx + b * p.length, at, live, segments);
-    if (masked) {
-      channel_first_outputs<true>(w, bias[0], xs, segments, p.silu, out);
-    } else {
-      channel_first_outputs<false>(w, bias[0], xs, nullptr, p.silu, out);
+    load_param_row<T>(p, where.weight_group * p.channels + d, w, bias);
+    for (int step = 0; step < steps; ++step) {
+      // The row's pack: a lane outside the rows (past the row's end or the channels) reads a slot
+      // it did not fill, whose outputs are not stored and whose halo reaches only such lanes.
+      const int64_t b = where.b0 + step;
+      float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}
+      ring_wait<kShortForwardDepth - 1>();
+      widen(x_ring.template read<T, V>(step), reinterpret_cast<float(&)[V]>(xs[P]));
+      fetch(step + kShortForwardDepth);  // into the slot just read
+      short_row_halo<T, K>(p, at, b, d, x, xs);
+      float out[V];
+      int32_t segments[P + V];  // with seq_idx: the entry of xs[j]
+      const bool masked = p.seq_idx != nullptr &&
+                          short_row_segments<V, P>(p.seq_idx + b * p.length, at, live, segments);
+      if (masked) {
+        channel_first_outputs<true>(w, bias[0], xs, segments, p.silu, out);
+      } else {
+        channel_first_outputs<false>(w, bias[0], xs, nullptr, p.silu, out);
+      }
+      if (live) {
+        const int64_t row = next_row - (kShortForwardDepth + 1) * row_step;  // b's, as fetched
+        store_vec(y + row, narrow<T, V>(out));
+      }
     }
-    if (live) {
-      store_vec(static_cast<T*>(p.y) + cursor.row * p.length + at.t0, narrow<T, V>(out));
-    }
-    cursor.advance(p.channels);
   }
 }
 

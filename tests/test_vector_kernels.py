@@ -507,16 +507,22 @@ def test_short_rows_widths(dev, dtype, width):
         compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL", final="random")
 
 
-# More warp items than the GPU holds warps: each warp takes several items in turn. The backward's
-# warps take a block of channels over a run of batch rows (ShortRowUnits): few channels and many
-# rows make runs of several rows, the last one shorter (on the H200, bf16 1001 x 8: 4 channel
-# blocks, runs of 2; float32 701 x 7: 7 blocks, runs of 3).
+# More warp units than the GPU holds warps: each warp takes several in turn. A unit is a block of
+# channels over a run of batch rows (ShortRowUnits): few channels and many rows make runs of
+# several rows, the last one shorter (on the H200, backward: bf16 1001 x 8, 4 channel blocks, runs
+# of 2; float32 701 x 7, 7 blocks, runs of 3; the forward runs those one row a unit). The forward
+# (K = 4: 4224 bf16 and 5280 float32 warps resident, by ptxas's registers) runs bf16 65 x 4096
+# L = 8 in runs of 2 and a last of 1, and runs longer than its ring (kShortForwardDepth = 4) in
+# the last two: bf16 30 x 2049 L = 128, 1025 blocks (the last one channel of 2), 4 runs of 8 (the
+# last of 6); float32 20 x 3001 L = 64, 1501 blocks (the last 1 of 2), 3 runs of 7 (the last 6).
 SHORT_MANY = [
     pytest.param(jnp.bfloat16, dict(batch=65, length=8, channels=4096), id="bf16-L8"),
     pytest.param(jnp.bfloat16, dict(batch=5, length=128, channels=4096), id="bf16-L128"),
     pytest.param(jnp.float32, dict(batch=9, length=64, channels=4093), id="f32-L64-odd"),
     pytest.param(jnp.bfloat16, dict(batch=1001, length=128, channels=8), id="bf16-L128-runs"),
     pytest.param(jnp.float32, dict(batch=701, length=128, channels=7), id="f32-L128-runs"),
+    pytest.param(jnp.bfloat16, dict(batch=30, length=128, channels=2049), id="bf16-L128-long-runs"),
+    pytest.param(jnp.float32, dict(batch=20, length=64, channels=3001), id="f32-L64-long-runs"),
 ]
 
 
@@ -539,3 +545,31 @@ def test_short_rows_weight_groups(dev):
     members, batch, length, channels, width = 3, 301, 64, 6, 4
     x = jnp.asarray(rng.standard_normal((batch, channels, length)), jnp.bfloat16)
     assert_weight_group_grads(dev, rng, x, members, width, "BDL")
+
+
+# The forward under weight groups: 3 groups of 9 batch rows of 2047 channels (bf16 L = 64: 512
+# blocks of 4 rows, the last of 3) make, on the H200 (4224 warps resident), runs of 5 rows and of
+# 4 inside each group (a run of 5 refetches its ring's first slot); with the initial state, the
+# final state and seq_idx.
+@pytest.mark.parametrize("masked", [False, True], ids=["no_seq_idx", "seq_idx"])
+@pytest.mark.parametrize("dev", GPU)
+def test_short_rows_weight_groups_forward(dev, masked):
+    rng = np.random.default_rng(14)
+    members, batch, length, channels, width = 3, 9, 64, 2047, 4
+    x = jnp.asarray(rng.standard_normal((batch, channels, length)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((members, channels, width)) / 2, jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((members, channels)), jnp.bfloat16)
+    s = jnp.asarray(rng.standard_normal((batch, channels, width - 1)), jnp.bfloat16)
+    q = jnp.asarray(short_seq_idx(length)[np.arange(batch) % 3]) if masked else None
+
+    def run(conv, x, w, b, s, q):
+        return conv(x, w, b, activation="silu", initial_state=s, seq_idx=q,
+                    return_final_state=True, layout="BDL")
+
+    in_axes = (None, 0, 0, None, None)
+    outs = jax.jit(jax.vmap(partial(run, jcc.causal_conv1d), in_axes=in_axes))(
+        *jax.device_put((x, w, b, s, q), device(dev)))
+    refs = jax.vmap(partial(run, reference.causal_conv1d), in_axes=in_axes)(
+        *jax.device_put(to_f64((x, w, b, s)) + (q,), device("cpu")))
+    for what, o, r in zip(("y", "final_state"), outs, refs):
+        assert_close(o, r, jnp.bfloat16, what)
