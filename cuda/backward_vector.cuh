@@ -73,6 +73,22 @@ constexpr bool backward_stages_final_state() {
   return kMasked && !(sizeof(T) == 2 && K == 2);
 }
 
+// Whether the masked channel-last backward's checked steps (the tile edges' and, in the kernels
+// with a register cap, every step at a segment boundary; see below) compute each channel's
+// activation before selecting it and test the taps of a dx by the bits of one word. Tested tap by
+// tap, and with the activation inside the select on `output`, ptxas made a checked step 20 branch
+// regions run one after another: at bf16 K = 4 the chunk loop outside its step loops took 949
+// instructions with 101 branches, against 738 with 33 (sm_90 SASS; the step loops the same but
+// for scheduling). A checked step costs far more than its count: the twenty-second session's
+// traces took 15.1 us longer with 16 sequences a row than with 4, whose slowest tiles hold 7
+// boundaries against 2, so about 3 us a boundary, P checked steps in place of uniform ones
+// (benchmarks/RESULTS.md). Not at K = 2: 16-bit K = 2 (8 channels a thread, at the cap of 128
+// registers) spilled 8-16 bytes with it, float K = 2 (at 5 blocks) 8 with the activation's.
+template <int K, bool kMasked>
+constexpr bool backward_selects_checked_taps() {
+  return kMasked && K > 2;
+}
+
 // (B, L, D), D a multiple of C. A thread owns C channels over one tile [t0, t1) and streams s from
 // t0 to t1 + P - 1 with K-row register windows of x and delta. At step s it finishes delta_s, adds
 // delta_s's dw/db terms when it owns s, and emits dx_{s-P}, whose deltas (s-P .. s) are all in the
@@ -98,6 +114,7 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
   constexpr bool kAhead = backward_reads_ahead<T, K, kMasked>();
   static_assert(!kAhead || kDepth >= 2, "a read ahead leaves the ring a row in flight");
   constexpr bool kStagedFinal = backward_stages_final_state<T, K, kMasked>();
+  constexpr bool kSelectedTaps = backward_selects_checked_taps<K, kMasked>();
   using FinalRows = RowSlots<P, Row, kBackwardThreads>;
   // The x ring, the dy ring, then (kStagedFinal) dF's rows; once a grouped block's steps are done,
   // its warps' dw/db sums.
@@ -215,7 +232,12 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
             const float tap = fmaf(w[k][c], x[k][c], z);
             z = Segments::has(taps, k) ? tap : z;
           }
-          delta[P][c] = output ? activation_vjp(dy[c], z, silu) : 0.0f;
+          if constexpr (kSelectedTaps) {
+            const float vjp = activation_vjp(dy[c], z, silu);
+            delta[P][c] = output ? vjp : 0.0f;
+          } else {
+            delta[P][c] = output ? activation_vjp(dy[c], z, silu) : 0.0f;
+          }
         }
         if (kInterior || step < owned) {
           for (int c = 0; c < C; ++c) {
@@ -231,13 +253,25 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
           // Taps of outputs outside [0, L) are skipped, not multiplied by a zero delta: a
           // non-finite weight must reach dx only through outputs that exist, as in the reference.
           const bool outputs_exist = kInterior || (u >= 0 && s < p.length);
+          // kSelectedTaps: bit k whether tap k is used (output s - k in [0, L), and the taps of
+          // SegmentSteps).
+          uint32_t dx_taps = 0;
+          if constexpr (kSelectedTaps && !kInterior) {
+            for (int k = 0; k < K; ++k) {
+              const bool exists = (s - k >= 0) & (s - k < p.length);
+              dx_taps |= static_cast<uint32_t>(exists) << k;
+            }
+            dx_taps &= taps >> Segments::kInputTaps;
+          }
           float g[C];
           for (int c = 0; c < C; ++c) {
             g[c] = 0.0f;
             for (int j = 0; j < K; ++j) {
               const int k = kAhead ? P - j : j;
-              const bool used = (outputs_exist || (s - k >= 0 && s - k < p.length)) &&
-                                Segments::has(taps, Segments::kInputTaps + k);
+              const bool used = kSelectedTaps && !kInterior
+                                    ? Segments::has(dx_taps, k)
+                                    : (outputs_exist || (s - k >= 0 && s - k < p.length)) &&
+                                          Segments::has(taps, Segments::kInputTaps + k);
               g[c] = used ? fmaf(w[k][c], delta[P - k][c], g[c]) : g[c];
             }
           }
