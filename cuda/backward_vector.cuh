@@ -548,11 +548,11 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
     const int32_t* segment_row = kMasked ? p.seq_idx + item.b * p.length : nullptr;
     asm("" : "+l"(segment_row));
     ChannelFirstCarry<K> carry;
-    carry.load(static_cast<const T*>(p.x) + item.row * p.length,
-               p.initial_state == nullptr
-                   ? nullptr
-                   : static_cast<const T*>(p.initial_state) + item.row * P,
-               item.c0);
+    carry.template load<kMasked>(static_cast<const T*>(p.x) + item.row * p.length,
+                                 p.initial_state == nullptr
+                                     ? nullptr
+                                     : static_cast<const T*>(p.initial_state) + item.row * P,
+                                 item.c0);
     float dw[K + 1] = {};  // dw[K] is db
 
     // The lane's x and dy packs of the next kBackwardAhead segments that segment_delta will take,
