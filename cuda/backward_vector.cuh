@@ -582,11 +582,11 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
     const int32_t* segment_row = kMasked ? p.seq_idx + item.b * p.length : nullptr;
     asm("" : "+l"(segment_row));
     ChannelFirstCarry<K> carry;
-    carry.load(static_cast<const T*>(p.x) + item.row * p.length,
-               p.initial_state == nullptr
-                   ? nullptr
-                   : static_cast<const T*>(p.initial_state) + item.row * P,
-               item.c0);
+    carry.template load<kMasked>(static_cast<const T*>(p.x) + item.row * p.length,
+                                 p.initial_state == nullptr
+                                     ? nullptr
+                                     : static_cast<const T*>(p.initial_state) + item.row * P,
+                                 item.c0);
     float dw[K + 1] = {};  // dw[K] is db
 
     // The lane's x and dy packs of the next kBackwardAhead segments that segment_delta will take,
@@ -645,13 +645,17 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
         first[t] = __shfl_sync(kFullWarp, current.delta[t % V], t / V, kWidth);
       }
       if (lane == 0) {
-        const int32_t segment_u = kMasked ? conv.segment(item.b, 0) : 0;
+        // The entries of times 0 .. P-1 loaded before the first store: read in the taps' loop,
+        // each was loaded again after every store of dS (which may alias seq_idx), 3 dependent
+        // rounds of loads a run at bf16 K = 4 (SASS) while the warp waited on lane 0.
+        int32_t first_segments[P];
+        for (int t = 0; t < P; ++t) first_segments[t] = kMasked ? conv.segment(item.b, t) : 0;
         T* ds_row = static_cast<T*>(p.dinitial_state) + item.row * P;
         for (int i = 0; i < P; ++i) {
           float acc = 0.0f;
           for (int k = 0; k <= i; ++k) {
             const int t = i - k;
-            const bool used = !kMasked || same_segment(conv.segment(item.b, t), segment_u);
+            const bool used = !kMasked || same_segment(first_segments[t], first_segments[0]);
             acc = used ? fmaf(w[k][0], first[t], acc) : acc;
           }
           ds_row[i] = from_acc<T>(acc);
@@ -706,7 +710,23 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
         input_grads(std::true_type{}, segments);
       }
       if (!kInterior && p.dfinal_state != nullptr && t0 < item.c1 && t0 + V > p.length - P) {
-        for (int j = 0; j < V; ++j) g[j] += conv.final_state_grad(item.b, t0 + j, item.d);
+        if constexpr (kMasked && P <= V) {
+          // dF's P values, each loaded whether kept or not and zeroed after, so that they and
+          // their seq_idx entries load in one round: conv.final_state_grad per time put each dF
+          // load behind its entries' compare and the next time's loads behind that, 6 dependent
+          // rounds a run at bf16 K = 4 (SASS) while the warp waited on one lane. Without seq_idx
+          // its loads have no entries before them; with P > V (float32 K >= 6) the loads at once
+          // took float32 K = 6 from 124 to 145 registers, 4 blocks per SM to 3.
+          const int64_t first = t0 - (p.length - P);  // the dF row of time t0 (negative: none)
+          for (int j = 0; j < P; ++j) {
+            const float final_grad = to_acc<float>(static_cast<const T*>(
+                p.dfinal_state)[offset(p.state_strides, item.b, j, item.d)]);
+            const float kept = conv.final_state_kept(item.b, j) ? final_grad : 0.0f;
+            for (int v = 0; v < V; ++v) g[v] = first + v == j ? g[v] + kept : g[v];
+          }
+        } else {
+          for (int j = 0; j < V; ++j) g[j] += conv.final_state_grad(item.b, t0 + j, item.d);
+        }
       }
       if (kInterior || t0 < item.c1) {
         store_streaming(static_cast<T*>(p.dx) + lane_at + s, narrow<T, V>(g));

@@ -527,14 +527,25 @@ struct ChannelFirstCarry {
   static constexpr int P = K - 1;
   float x[P];
 
-  // The P inputs before time t of a row (x_row: its L inputs; state_row: its P initial-state
-  // values, or nullptr for zeros): the carry into the segment that starts at t.
-  template <typename T>
+  // The P inputs before time t of a row (x_row: its L inputs, L >= P; state_row: its P
+  // initial-state values, or nullptr for zeros): the carry into the segment that starts at t.
+  // kAtOnce: each value loaded whether a zero replaces it or not (x_row[0] standing in for a
+  // missing state), so that the P loads issue in one round. Otherwise ptxas put each load and
+  // its widening in a branch of its own, P dependent rounds before the run's first fetch (the
+  // masked bf16 K = 4 backward with an initial state, SASS).
+  template <bool kAtOnce = false, typename T>
   __device__ __forceinline__ void load(const T* x_row, const T* state_row, int64_t t) {
     for (int j = 0; j < P; ++j) {
       const int64_t u = t - P + j;
-      x[j] = u >= 0 ? static_cast<float>(x_row[u])
-                    : (state_row == nullptr ? 0.0f : static_cast<float>(state_row[u + P]));
+      if constexpr (kAtOnce) {
+        const bool zero = u < 0 && state_row == nullptr;
+        const T* const from = u >= 0 ? x_row + u : zero ? x_row : state_row + (u + P);
+        const float value = static_cast<float>(*from);
+        x[j] = zero ? 0.0f : value;
+      } else {
+        x[j] = u >= 0 ? static_cast<float>(x_row[u])
+                      : (state_row == nullptr ? 0.0f : static_cast<float>(state_row[u + P]));
+      }
     }
   }
 

@@ -462,6 +462,24 @@ def test_channel_first_half_segments(dev, dtype, width, channels):
     compare(dev, rng, args, None, dtype, activation="silu", layout="BDL", final="random")
 
 
+# The masked channel-first backward's states where a row's first or last K - 1 times hold a
+# boundary: dS with some of its taps cut, the final state's cotangent kept for only the rows of
+# the last time's sequence (its rows load whether kept or not), none kept at trailing padding.
+@pytest.mark.parametrize("width", range(2, 9))
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dev", GPU)
+def test_channel_first_seq_idx_state_edges(dev, dtype, width):
+    rng = np.random.default_rng(width)
+    length = cf_row_length(dtype)
+    t = np.arange(length)
+    seq = np.stack([np.where(t == 0, 0, np.where(t == length - 1, 2, 1)),
+                    np.where(t < 2, 3, np.where(t < length - 2, 4, 5)),
+                    np.where(t < length - 3, 0, np.where(t < length - 1, 1, -1))]).astype(np.int32)
+    args, seq_idx = inputs(rng, dtype, batch=len(seq), length=length, channels=5, width=width,
+                           layout="BDL", state=True, seq_idx=seq)
+    compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL", final="random")
+
+
 # ---- channel-first short rows: 32 / group rows per warp, group lanes (a power of two) per row ----
 
 SHORT_LENGTHS = [8, 16, 64, 128, 136, 256]  # multiples of 8: every dtype's pack divides them
