@@ -73,20 +73,26 @@ constexpr bool backward_stages_final_state() {
   return kMasked && !(sizeof(T) == 2 && K == 2);
 }
 
-// Whether the masked channel-last backward's checked steps (the tile edges' and, in the kernels
+// Whether the channel-last backward's checked steps (the tile edges' and, masked in the kernels
 // with a register cap, every step at a segment boundary; see below) compute each channel's
 // activation before selecting it and test the taps of a dx by the bits of one word. Tested tap by
 // tap, and with the activation inside the select on `output`, ptxas made a checked step 20 branch
-// regions run one after another: at bf16 K = 4 the chunk loop outside its step loops took 949
-// instructions with 101 branches, against 738 with 33 (sm_90 SASS; the step loops the same but
+// regions run one after another: at masked bf16 K = 4 the chunk loop outside its step loops took
+// 949 instructions with 101 branches, against 738 with 33 (sm_90 SASS; the step loops the same but
 // for scheduling). A checked step costs far more than its count: the twenty-second session's
 // traces took 15.1 us longer with 16 sequences a row than with 4, whose slowest tiles hold 7
 // boundaries against 2, so about 3 us a boundary, P checked steps in place of uniform ones
-// (benchmarks/RESULTS.md). Not at K = 2: 16-bit K = 2 (8 channels a thread, at the cap of 128
-// registers) spilled 8-16 bytes with it, float K = 2 (at 5 blocks) 8 with the activation's.
-template <int K, bool kMasked>
+// (benchmarks/RESULTS.md). Without seq_idx every thread runs 2P of them a tile, each with one
+// branch region a channel around its activation and one around its dx taps: the plain bf16 K = 4
+// silu edge step took 269 instructions in 11 branch regions (its final state's dF loads aside),
+// against 229 in 3 (K = 8: 412 in 11, against 336 in 3). Not at K = 2 with seq_idx: 16-bit K = 2
+// (8 channels a thread, at the cap of 128 registers) spilled 8-16 bytes with it, float K = 2 (at
+// 5 blocks) 8 with the activation's; nor at 16-bit K = 2 without (bf16 spilled 8 bytes; one path
+// serves both 16-bit types) or 16-bit K = 6 without (no cap: bf16 took 172 registers against
+// 166, 2 blocks an SM against 3; float16 168 against 174).
+template <typename T, int K, bool kMasked>
 constexpr bool backward_selects_checked_taps() {
-  return kMasked && K > 2;
+  return kMasked ? K > 2 : !(sizeof(T) == 2 && (K == 2 || K == 6));
 }
 
 // (B, L, D), D a multiple of C. A thread owns C channels over one tile [t0, t1) and streams s from
@@ -114,7 +120,7 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
   constexpr bool kAhead = backward_reads_ahead<T, K, kMasked>();
   static_assert(!kAhead || kDepth >= 2, "a read ahead leaves the ring a row in flight");
   constexpr bool kStagedFinal = backward_stages_final_state<T, K, kMasked>();
-  constexpr bool kSelectedTaps = backward_selects_checked_taps<K, kMasked>();
+  constexpr bool kSelectedTaps = backward_selects_checked_taps<T, K, kMasked>();
   using FinalRows = RowSlots<P, Row, kBackwardThreads>;
   // The x ring, the dy ring, then (kStagedFinal) dF's rows; once a grouped block's steps are done,
   // its warps' dw/db sums.
