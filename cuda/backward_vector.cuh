@@ -82,14 +82,17 @@ constexpr bool backward_stages_final_state() {
 // for scheduling). A checked step costs far more than its count: the twenty-second session's
 // traces took 15.1 us longer with 16 sequences a row than with 4, whose slowest tiles hold 7
 // boundaries against 2, so about 3 us a boundary, P checked steps in place of uniform ones
-// (benchmarks/RESULTS.md). Without seq_idx every thread runs 2P of them a tile, each with one
-// branch region a channel around its activation and one around its dx taps: the plain bf16 K = 4
-// silu edge step took 269 instructions in 11 branch regions (its final state's dF loads aside),
-// against 229 in 3 (K = 8: 412 in 11, against 336 in 3). Not at K = 2 with seq_idx: 16-bit K = 2
-// (8 channels a thread, at the cap of 128 registers) spilled 8-16 bytes with it, float K = 2 (at
-// 5 blocks) 8 with the activation's; nor at 16-bit K = 2 without (bf16 spilled 8 bytes; one path
-// serves both 16-bit types) or 16-bit K = 6 without (no cap: bf16 took 172 registers against
-// 166, 2 blocks an SM against 3; float16 168 against 174).
+// (benchmarks/RESULTS.md). H200 traces, packed BLD bwd bf16 K = 4: 124.5 -> 118.1 us, with 16
+// sequences a row 138.4 -> 125.6 (twenty-seventh session). Without seq_idx every thread runs 2P
+// of them a tile, each with one branch region a channel around its activation and one around its
+// dx taps: the plain bf16 K = 4 silu edge step took 269 instructions in 11 branch regions (its
+// final state's dF loads aside), against 229 in 3 (K = 8: 412 in 11, against 336 in 3); traces,
+// plain BLD bwd: 109.6 -> 108.7, K = 8 141.1 -> 137.8, D = 256 13.5 -> 12.67 (twenty-seventh
+// session, which read D = 256 at 15.98 once, a one-off: the same kernel runs D = 4096). Not at
+// K = 2 with seq_idx: 16-bit K = 2 (8 channels a thread, at the cap of 128 registers) spilled
+// 8-16 bytes with it, float K = 2 (at 5 blocks) 8 with the activation's; nor at 16-bit K = 2
+// without (bf16 spilled 8 bytes; one path serves both 16-bit types) or 16-bit K = 6 without (no
+// cap: bf16 took 172 registers against 166, 2 blocks an SM against 3; float16 168 against 174).
 template <typename T, int K, bool kMasked>
 constexpr bool backward_selects_checked_taps() {
   return kMasked ? K > 2 : !(sizeof(T) == 2 && (K == 2 || K == 6));
