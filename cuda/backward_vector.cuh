@@ -765,6 +765,266 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
   });
 }
 
+// ---- channel-first backward on tensor cores: bfloat16, K = 7 and 8, no seq_idx or states ----
+//
+// The scalar kernel above issues about 3K + 10 FP32 instructions an element (pre = conv(x, w),
+// dx = the anti-causal conv of dpre with w, dw += x dpre, the activation's derivative): at K = 7
+// and 8 it is issue-bound (H200, B=8 L=2048 D=4096 BDL: 131.9 and 143.0 us against 113.0 at
+// K = 4, twenty-seventh session). Here pre and dx are products of x and dpre with Toeplitz
+// matrices of the taps, and dw a product of x and dpre, each an m16n8k16 MMA per 128 times of
+// one channel (PTX fragment layouts; g = lane / 4, q = lane % 4; word w of a block: its times
+// 2w and 2w + 1, lane l loading words l and l + 32):
+// - pre: A[m][k] = x[base + 8m + k - 8], B[k][n] = the tap of lag n + 8 - k, D[m][n] = pre at
+//   base + 8m + n (K <= 9). A's fragment is words l - 4, l + 28, l, l + 32: two shuffles from
+//   lane l - 4, lanes 0-3 taking the previous block's words 60-63 (the carry). D's is words l
+//   and l + 32, the loads' own layout, so dy and dx use it as loaded.
+// - dx[t] = sum_j tap_j dpre[t + j]: A'[m][k] = dpre[base + 8m + k] (words l, l + 32, l + 4,
+//   l + 36: three shuffles from lane l + 4, lanes 28-31 taking the next block's words 0-3) and
+//   B'[k][n] = the tap of lag k - n.
+// - dw: the entry (k, n) of A^T (16 x 16, four movmatrix of A) times dpre's D fragment
+//   transposed (two movmatrix: B[m][n] = dpre[base + 8m + n]) sums x[t - lag] dpre[t] over the
+//   block's t = base + 8m + n, lag = n + 8 - k; the warp accumulates it over the item and sums
+//   the diagonals at the end.
+// x is exact in bfloat16; the float weights and dpre are split into bfloat16 high and low parts,
+// so that the products keep about 16 bits more than bfloat16: two MMAs for pre (x w_hi, x w_lo),
+// three for dx (dpre_hi w_hi, dpre_hi w_lo, dpre_lo w_hi), two for dw, all summed in float.
+// scripts/mma_fragment_model.py simulates these fragments lane by lane against float64.
+constexpr int64_t kMmaBlock = 128;
+
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4],
+                                               const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// An 8 x 8 bfloat16 fragment (lane: row g, columns 2q and 2q + 1) of the transposed matrix.
+__device__ __forceinline__ uint32_t transpose_8x8(uint32_t fragment) {
+  uint32_t out;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(out) : "r"(fragment));
+  return out;
+}
+
+__device__ __forceinline__ uint32_t bf16_pair(float low, float high) {
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(low, high);
+  uint32_t word;
+  memcpy(&word, &pair, sizeof word);
+  return word;
+}
+
+// low + (high << 16) as bfloat16 pairs hi and lo with value ~ hi + lo (to about 2^-17).
+__device__ __forceinline__ void split_pair(float low, float high, uint32_t& hi, uint32_t& lo) {
+  hi = bf16_pair(low, high);
+  lo = bf16_pair(low - __uint_as_float(hi << 16), high - __uint_as_float(hi & 0xffff0000u));
+}
+
+// The lane's B fragment of B[k][n] = the tap of lag lag_of(k, n) (weight P - lag; zero outside
+// the taps), row 0 row_0 where given, split into high and low parts. The lane's lags are known
+// only at run time: selects, once an item, keep the weights in registers.
+template <int K, typename LagOf>
+__device__ __forceinline__ void tap_fragment(const float (&w)[K][1], int lane, const LagOf& lag_of,
+                                             uint32_t (&hi)[2], uint32_t (&lo)[2],
+                                             const float* row_0 = nullptr) {
+  const int g = lane >> 2, q = lane & 3;
+  for (int r = 0; r < 2; ++r) {
+    float taps[2];
+    for (int e = 0; e < 2; ++e) {
+      const int k = 2 * q + 8 * r + e;
+      const int lag = lag_of(k, g);
+      taps[e] = 0.0f;
+      for (int j = 0; j < K; ++j) taps[e] = lag == K - 1 - j ? w[j][0] : taps[e];
+      if (row_0 != nullptr && k == 0) taps[e] = *row_0;
+    }
+    split_pair(taps[0], taps[1], hi[r], lo[r]);
+  }
+}
+
+// (B, D, L) bfloat16 without seq_idx or states, L a multiple of 8 and longer than the short
+// rows': a warp takes one channel's times [c0, c1) (c0 a multiple of kMmaBlock) in blocks of
+// kMmaBlock, and the first block after them for the dx of its last times. dw/db sums go to
+// partials[b, chunk, d, 0..K] as the scalar kernel's do, in a fixed order.
+template <int K>
+__global__ void __launch_bounds__(kChannelFirstThreads, 5)
+    backward_channel_first_mma_kernel(ConvParams p, float* partials, ChannelFirstSplit split) {
+  using T = __nv_bfloat16;
+  constexpr int P = K - 1;
+  // Up to 9 taps a block's pre-activations are one product (lags up to 8). Up to 8, column 0 of
+  // A (x at lag n + 8 for output n) is no tap's: it holds ones, so that row 0 of B adds the bias
+  // (the accumulator starts at zero, no moves) and row 0 of A^T sums dpre for db.
+  static_assert(K <= 8, "column 0 of A is free");
+  const int lane = threadIdx.x % kLanes;
+  allow_dependent_grid();  // the reduction's blocks may wait on the SMs (see launch_dependent)
+  // A block's words as lane l loads them: words l and l + 32 of x and dy.
+  struct Words {
+    uint32_t x[2], dy[2];
+  };
+  // A block's dpre in D's layout (times 2l, 2l + 1 and 64 + 2l, 64 + 2l + 1), as bf16 pairs.
+  struct Delta {
+    uint32_t hi[2], lo[2];
+  };
+  const auto run = [&](const ChannelFirstItem& item, auto silu) {
+    float w[K][1], bias[1];
+    load_param_row<T>(p, item.param_row, w, bias);
+    uint32_t pre_hi[2], pre_lo[2], dx_hi[2], dx_lo[2];
+    tap_fragment(w, lane, [](int k, int n) { return n + 8 - k; }, pre_hi, pre_lo, &bias[0]);
+    tap_fragment(w, lane, [](int k, int n) { return k - n; }, dx_hi, dx_lo);
+    // The lane's words of the row: of block `base`, words base / 2 + 32 h from these.
+    const int64_t row_words = p.length / 2;
+    const int64_t row_at = item.row * row_words + lane;
+    const uint32_t* x = static_cast<const uint32_t*>(p.x) + row_at;
+    const uint32_t* dy = static_cast<const uint32_t*>(p.dy) + row_at;
+    uint32_t* dx = static_cast<uint32_t*>(p.dx) + row_at;
+    // Times this item loads: its own, and the block after them (of which dx needs P deltas).
+    const int64_t loaded_end = std::min(item.c1 + kMmaBlock, p.length);
+    const int64_t lane_loaded = loaded_end / 2 - lane, lane_words = row_words - lane;
+    // The words of block `base` (checked: where they may lie past loaded_end, read as 0).
+    const auto load = [&](int64_t base, Words& out) {
+      for (int h = 0; h < 2; ++h) {
+        const int64_t word = base / 2 + 32 * h;
+        const bool live = word < lane_loaded;
+        out.x[h] = live ? __ldg(x + word) : 0u;
+        out.dy[h] = live ? __ldg(dy + word) : 0u;
+      }
+    };
+    // Lanes 0-3: x word l - 4 of the next block (0 before the row: no initial state here).
+    uint32_t carry = item.c0 > 0 && lane < 4 ? __ldg(x + item.c0 / 2 - 4) : 0u;
+    float dw[4] = {};  // entry (k, n): of lag n + 8 - k; k = 0, of db
+    uint32_t a[4];     // the block's x fragment, for its dw
+    // Column 0 of A, the low halves of lanes 0, 4, .., 28's a0 and a1: bfloat16 1.0.
+    const uint32_t kept = lane % 4 == 0 ? 0xffff0000u : 0xffffffffu;
+    const uint32_t one = lane % 4 == 0 ? 0x3f80u : 0u;
+    // dpre of a block from its words, a its x fragment; moves the carry to its last words.
+    const auto deltas = [&](const Words& in, Delta& out) {
+      const int from = (lane + kLanes - 4) % kLanes;
+      const uint32_t u0 = __shfl_sync(kFullWarp, in.x[0], from);
+      const uint32_t u1 = __shfl_sync(kFullWarp, in.x[1], from);
+      a[0] = ((lane >= 4 ? u0 : carry) & kept) | one;
+      a[1] = ((lane < 4 ? u0 : u1) & kept) | one;
+      a[2] = in.x[0];
+      a[3] = in.x[1];
+      carry = u1;
+      float z[4] = {};
+      mma_bf16_16816(z, a, pre_hi);
+      mma_bf16_16816(z, a, pre_lo);
+      for (int h = 0; h < 2; ++h) {
+        const float low = activation_vjp(__uint_as_float(in.dy[h] << 16), z[2 * h], silu);
+        const float high =
+            activation_vjp(__uint_as_float(in.dy[h] & 0xffff0000u), z[2 * h + 1], silu);
+        split_pair(low, high, out.hi[h], out.lo[h]);
+      }
+    };
+    // The block's terms of dw and db (from deltas' a).
+    const auto accumulate = [&](const Delta& d) {
+      const uint32_t at[4] = {transpose_8x8(a[0]), transpose_8x8(a[2]), transpose_8x8(a[1]),
+                              transpose_8x8(a[3])};
+      const uint32_t hi[2] = {transpose_8x8(d.hi[0]), transpose_8x8(d.hi[1])};
+      const uint32_t lo[2] = {transpose_8x8(d.lo[0]), transpose_8x8(d.lo[1])};
+      mma_bf16_16816(dw, at, hi);
+      mma_bf16_16816(dw, at, lo);
+    };
+    // dx of a block from its dpre and the next block's: the lane's words from `to`, those from
+    // offset `row_left` on past the row.
+    const auto input_grads = [&](uint32_t* to, int64_t row_left, const Delta& current,
+                                 const Delta& next) {
+      const int from = (lane + 4) % kLanes;
+      const bool own = lane < kLanes - 4;
+      const auto fragment = [&](const uint32_t (&words)[2], const uint32_t (&after)[2],
+                                uint32_t (&out)[4]) {
+        const uint32_t s0 = __shfl_sync(kFullWarp, words[0], from);
+        const uint32_t s1 = __shfl_sync(kFullWarp, words[1], from);
+        const uint32_t n0 = __shfl_sync(kFullWarp, after[0], from);
+        out[0] = words[0];
+        out[1] = words[1];
+        out[2] = own ? s0 : s1;
+        out[3] = own ? s1 : n0;
+      };
+      uint32_t hi[4], lo[4];
+      fragment(current.hi, next.hi, hi);
+      fragment(current.lo, next.lo, lo);
+      float g[4] = {};
+      mma_bf16_16816(g, hi, dx_hi);
+      mma_bf16_16816(g, hi, dx_lo);
+      mma_bf16_16816(g, lo, dx_hi);
+      for (int h = 0; h < 2; ++h) {
+        if (32 * h < row_left) __stcs(to + 32 * h, bf16_pair(g[2 * h], g[2 * h + 1]));
+      }
+    };
+    const int blocks = static_cast<int>((item.c1 - item.c0 + kMmaBlock - 1) / kMmaBlock);
+    // Words of blocks n + 1 and n + 2 at the loop's block n: two blocks' compute ahead of use.
+    Words first, ahead[2];
+    load(item.c0, first);
+    load(item.c0 + kMmaBlock, ahead[0]);
+    load(item.c0 + 2 * kMmaBlock, ahead[1]);
+    Delta delta_a, delta_b;  // block n's dpre in delta_a
+    deltas(first, delta_a);
+    accumulate(delta_a);
+    int n = 0;
+    // Pairs of blocks whose deltas up to n + 2 are the item's own and whose loads up to n + 4
+    // lie before loaded_end: no checks, lane pointers with immediate offsets, the slots and
+    // deltas renamed instead of moved (a block a pass took 202 SASS instructions at K = 8, of
+    // which about 90 the checks, 64-bit offsets and moves).
+    constexpr int kWords = kMmaBlock / 2;
+    const uint32_t* x_at = x + item.c0 / 2;
+    const uint32_t* dy_at = dy + item.c0 / 2;
+    uint32_t* dx_at = dx + item.c0 / 2;
+    const auto load_unchecked = [&](int block, Words& out) {
+      for (int h = 0; h < 2; ++h) {
+        out.x[h] = __ldg(x_at + block * kWords + 32 * h);
+        out.dy[h] = __ldg(dy_at + block * kWords + 32 * h);
+      }
+    };
+    const int pairs_end =
+        std::min(blocks - 2, static_cast<int>((loaded_end - item.c0) / kMmaBlock) - 4);
+    for (; n < pairs_end; n += 2) {
+      deltas(ahead[0], delta_b);
+      load_unchecked(3, ahead[0]);
+      accumulate(delta_b);
+      input_grads(dx_at, kWords, delta_a, delta_b);
+      deltas(ahead[1], delta_a);
+      load_unchecked(4, ahead[1]);
+      accumulate(delta_a);
+      input_grads(dx_at + kWords, kWords, delta_b, delta_a);
+      x_at += 2 * kWords;
+      dy_at += 2 * kWords;
+      dx_at += 2 * kWords;
+    }
+    for (; n < blocks; ++n) {
+      const int64_t base = item.c0 + n * kMmaBlock;
+      const Words in = ahead[0];
+      ahead[0] = ahead[1];
+      load(base + 3 * kMmaBlock, ahead[1]);
+      if (base + kMmaBlock < loaded_end) {
+        deltas(in, delta_b);
+        if (n + 1 < blocks) accumulate(delta_b);
+      } else {
+        delta_b = Delta{};
+      }
+      input_grads(dx + base / 2, lane_words - base / 2, delta_a, delta_b);
+      delta_a = delta_b;
+    }
+    // Lane l's entries: (k, n) = (g, 2q), (g, 2q + 1), (g + 8, 2q), (g + 8, 2q + 1).
+    float sums[K + 1];
+    const int g = lane >> 2, q = lane & 3;
+    for (int k = 0; k <= K; ++k) sums[k] = 0.0f;
+    for (int i = 0; i < 4; ++i) {
+      const int row = g + 8 * (i >> 1);
+      const int lag = 2 * q + (i & 1) + 8 - row;
+      for (int k = 0; k < K; ++k) sums[k] += lag == P - k ? dw[i] : 0.0f;
+      sums[K] += row == 0 ? dw[i] : 0.0f;
+    }
+    const float sum = warp_sum_scatter<kLanes>(sums, lane);
+    if (lane <= K) {
+      partials[((item.b * item.chunks + item.chunk) * p.channels + item.d) * (K + 1) + lane] = sum;
+    }
+  };
+  with_bool_constant(p.silu, [&](auto silu) {
+    for_each_channel_first_item<kPack<T>, P, false, ItemKept::kNothing, kLanes>(
+        p, split, P, [&](const ChannelFirstItem& item, UniformSegments) { run(item, silu); });
+  });
+}
+
 // Batch rows whose packs (x and dy) a short-row backward lane has in flight, through cp.async
 // rings: 4 x 32 bytes, 4 KB a warp, 64 KB per SM at 2 blocks. A register queue of 3 (before) was
 // one row in flight: its rotating moves waited on each row's loads an item after their issue.
