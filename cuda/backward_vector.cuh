@@ -846,7 +846,7 @@ __device__ __forceinline__ void tap_fragment(const float (&w)[K][1], int lane, c
 // kMmaBlock, and the first block after them for the dx of its last times. dw/db sums go to
 // partials[b, chunk, d, 0..K] as the scalar kernel's do, in a fixed order.
 template <int K>
-__global__ void __launch_bounds__(kChannelFirstThreads, 5)
+__global__ void __launch_bounds__(kChannelFirstThreads, 6)
     backward_channel_first_mma_kernel(ConvParams p, float* partials, ChannelFirstSplit split) {
   using T = __nv_bfloat16;
   constexpr int P = K - 1;
@@ -865,6 +865,10 @@ __global__ void __launch_bounds__(kChannelFirstThreads, 5)
     uint32_t hi[2], lo[2];
   };
   const auto run = [&](const ChannelFirstItem& item, auto silu) {
+    // Where the item's sums go, found before the blocks: the item's indices need not live
+    // through them (with them, 80 registers spilled 8 bytes).
+    float* const sums_at =
+        partials + ((item.b * item.chunks + item.chunk) * p.channels + item.d) * (K + 1);
     float w[K][1], bias[1];
     load_param_row<T>(p, item.param_row, w, bias);
     uint32_t pre_hi[2], pre_lo[2], dx_hi[2], dx_lo[2];
@@ -1015,9 +1019,7 @@ __global__ void __launch_bounds__(kChannelFirstThreads, 5)
       sums[K] += row == 0 ? dw[i] : 0.0f;
     }
     const float sum = warp_sum_scatter<kLanes>(sums, lane);
-    if (lane <= K) {
-      partials[((item.b * item.chunks + item.chunk) * p.channels + item.d) * (K + 1) + lane] = sum;
-    }
+    if (lane <= K) sums_at[lane] = sum;
   };
   with_bool_constant(p.silu, [&](auto silu) {
     for_each_channel_first_item<kPack<T>, P, false, ItemKept::kNothing, kLanes>(
