@@ -790,6 +790,8 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
 // three for dx (dpre_hi w_hi, dpre_hi w_lo, dpre_lo w_hi), two for dw, all summed in float.
 // scripts/mma_fragment_model.py simulates these fragments lane by lane against float64.
 constexpr int64_t kMmaBlock = 128;
+// Words counted from a lane pointer in an int (those past it are neither loaded nor stored).
+constexpr int64_t kMaxWordsLeft = int64_t{1} << 30;
 
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4],
                                                const uint32_t (&b)[2]) {
@@ -896,16 +898,15 @@ __global__ void __launch_bounds__(kChannelFirstThreads, 6)
     uint32_t carry = item.c0 > 0 && lane < 4 ? __ldg(x + item.c0 / 2 - 4) : 0u;
     float dw[4] = {};  // entry (k, n): of lag n + 8 - k; k = 0, of db
     uint32_t a[4];     // the block's x fragment, for its dw
-    // Column 0 of A, the low halves of lanes 0, 4, .., 28's a0 and a1: bfloat16 1.0.
-    const uint32_t kept = lane % 4 == 0 ? 0xffff0000u : 0xffffffffu;
-    const uint32_t one = lane % 4 == 0 ? 0x3f80u : 0u;
+    // Column 0 of A, the low halves of lanes 0, 4, .., 28's a0 and a1: bfloat16 1.0 (0x3f80).
+    const uint32_t column_0 = lane % 4 == 0 ? 0xffffu : 0u;
     // dpre of a block from its words, a its x fragment; moves the carry to its last words.
     const auto deltas = [&](const Words& in, Delta& out) {
       const int from = (lane + kLanes - 4) % kLanes;
       const uint32_t u0 = __shfl_sync(kFullWarp, in.x[0], from);
       const uint32_t u1 = __shfl_sync(kFullWarp, in.x[1], from);
-      a[0] = ((lane >= 4 ? u0 : carry) & kept) | one;
-      a[1] = ((lane < 4 ? u0 : u1) & kept) | one;
+      a[0] = ((lane >= 4 ? u0 : carry) & ~column_0) | (0x3f80u & column_0);
+      a[1] = ((lane < 4 ? u0 : u1) & ~column_0) | (0x3f80u & column_0);
       a[2] = in.x[0];
       a[3] = in.x[1];
       carry = u1;
@@ -930,7 +931,7 @@ __global__ void __launch_bounds__(kChannelFirstThreads, 6)
     };
     // dx of a block from its dpre and the next block's: the lane's words from `to`, those from
     // offset `row_left` on past the row.
-    const auto input_grads = [&](uint32_t* to, int64_t row_left, const Delta& current,
+    const auto input_grads = [&](uint32_t* to, int row_left, const Delta& current,
                                  const Delta& next) {
       const int from = (lane + 4) % kLanes;
       const bool own = lane < kLanes - 4;
@@ -981,6 +982,14 @@ __global__ void __launch_bounds__(kChannelFirstThreads, 6)
     };
     const int pairs_end =
         std::min(blocks - 2, static_cast<int>((loaded_end - item.c0) / kMmaBlock) - 4);
+    // The lane's words from x_at on before loaded_end and before the row's end, counted down
+    // through the pairs (kept from the start, the 64-bit ends cost 24 bytes of spills at 80
+    // registers).
+    const auto words_left = [&](int64_t lane_end) {
+      const int64_t left = lane_end - item.c0 / 2;
+      return static_cast<int>(left < kMaxWordsLeft ? left : kMaxWordsLeft);
+    };
+    int loads_left = words_left(lane_loaded), stores_left = words_left(lane_words);
     for (; n < pairs_end; n += 2) {
       deltas(ahead[0], delta_b);
       load_unchecked(3, ahead[0]);
@@ -993,20 +1002,31 @@ __global__ void __launch_bounds__(kChannelFirstThreads, 6)
       x_at += 2 * kWords;
       dy_at += 2 * kWords;
       dx_at += 2 * kWords;
+      loads_left -= 2 * kWords;
+      stores_left -= 2 * kWords;
     }
+    // The last blocks (at most 4): loads checked against the lane's words left before
+    // loaded_end (those past it read as 0, so that a block past the row has zero deltas), stores
+    // against the row's end; in ints from the lane pointers (with 64-bit offsets a block took 184
+    // SASS instructions at K = 8).
     for (; n < blocks; ++n) {
-      const int64_t base = item.c0 + n * kMmaBlock;
       const Words in = ahead[0];
       ahead[0] = ahead[1];
-      load(base + 3 * kMmaBlock, ahead[1]);
-      if (base + kMmaBlock < loaded_end) {
-        deltas(in, delta_b);
-        if (n + 1 < blocks) accumulate(delta_b);
-      } else {
-        delta_b = Delta{};
+      for (int h = 0; h < 2; ++h) {
+        const int offset = 3 * kWords + 32 * h;
+        const bool live = offset < loads_left;
+        ahead[1].x[h] = live ? __ldg(x_at + offset) : 0u;
+        ahead[1].dy[h] = live ? __ldg(dy_at + offset) : 0u;
       }
-      input_grads(dx + base / 2, lane_words - base / 2, delta_a, delta_b);
+      deltas(in, delta_b);
+      if (n + 1 < blocks) accumulate(delta_b);  // a block past c1 is the next item's
+      input_grads(dx_at, stores_left, delta_a, delta_b);
       delta_a = delta_b;
+      x_at += kWords;
+      dy_at += kWords;
+      dx_at += kWords;
+      loads_left -= kWords;
+      stores_left -= kWords;
     }
     // Lane l's entries: (k, n) = (g, 2q), (g, 2q + 1), (g + 8, 2q), (g + 8, 2q + 1).
     float sums[K + 1];
