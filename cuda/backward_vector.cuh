@@ -789,6 +789,10 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
 // so that the products keep about 16 bits more than bfloat16: two MMAs for pre (x w_hi, x w_lo),
 // three for dx (dpre_hi w_hi, dpre_hi w_lo, dpre_lo w_hi), two for dw, all summed in float.
 // scripts/mma_fragment_model.py simulates these fragments lane by lane against float64.
+// Unlike the scalar kernels, a NaN or Inf in x, dy or the weights also reaches outputs whose taps
+// do not read it: the zero entries of its MMA's Toeplitz matrix multiply it (Inf x 0 = NaN), and
+// an infinite dpre's low part is Inf - Inf. (The tests of non-finite inputs use float32 and
+// float64.)
 constexpr int64_t kMmaBlock = 128;
 // Words counted from a lane pointer in an int (those past it are neither loaded nor stored).
 constexpr int64_t kMaxWordsLeft = int64_t{1} << 30;

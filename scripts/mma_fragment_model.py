@@ -1,8 +1,12 @@
 """Lane-exact numpy model of backward_channel_first_mma_kernel (cuda/backward_vector.cuh).
 
-Simulates the 32 lanes' m16n8k16 fragments, shuffles, movmatrix transposes and the blocks of 128
-times of one channel-first item as the kernel takes them, and compares pre-activations, dx, dw
-and db with a direct float64 computation. Index bugs show as errors far above bfloat16 rounding.
+Simulates the 32 lanes' m16n8k16 fragments, shuffles, movmatrix transposes, the column of ones
+(bias and db) and the blocks of 128 times of one channel-first item as the kernel takes them
+(words past the loaded times read as 0, dw/db only of the item's own blocks), and compares
+pre-activations, dx, dw and db with a direct float64 computation over rows cut into chunks.
+The kernel's order of loads (its register ring, pairs of blocks, the last blocks) does not change
+these values and is not modelled. Index bugs show as errors far above bfloat16 rounding (dx: the
+float32 value before its rounding, and the rounded one).
 Run: python scripts/mma_fragment_model.py
 """
 import numpy as np
