@@ -796,6 +796,13 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
 constexpr int64_t kMmaBlock = 128;
 // Words counted from a lane pointer in an int (those past it are neither loaded nor stored).
 constexpr int64_t kMaxWordsLeft = int64_t{1} << 30;
+// Blocks of x and dy words in a warp's cp.async ring (kMmaRing - 1 of them in flight, 512 bytes
+// each). With the words loaded into registers two blocks ahead (at most 1 KB a warp, 24 KB per SM
+// at 6 blocks of 128), the kernel ran slower than the scalar one at half its instructions (H200,
+// B=8 L=2048 D=4096 BDL: K = 8 147.7 us against 141.9, K = 7 146.5 against 129.9, twenty-seventh
+// session): bound by the loads' latency. Copies in flight hold no registers: 7 blocks, up to
+// 3.5 KB a warp and 84 KB per SM, in 16 KB of shared memory a block (96 KB per SM).
+constexpr int kMmaRing = 8;
 
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4],
                                                const uint32_t (&b)[2]) {
@@ -870,7 +877,42 @@ __global__ void __launch_bounds__(kChannelFirstThreads, 6)
   struct Delta {
     uint32_t hi[2], lo[2];
   };
+  // The warp's ring: kMmaRing blocks' x and dy words.
+  constexpr int kWords = kMmaBlock / 2;  // a block's words of one row
+  struct Slot {
+    uint32_t x[kWords], dy[kWords];
+  };
+  __shared__ Slot ring[kChannelFirstThreads / kLanes][kMmaRing];
+  const Slot* const slots = ring[threadIdx.x / kLanes];
+  // Lane l's 16 bytes of the warp's slot 0 (see fetch), as a shared-window address for cp.async.
+  const uint32_t slots_shared =
+      static_cast<uint32_t>(__cvta_generic_to_shared(&ring[threadIdx.x / kLanes][0])) + 16 * lane;
   const auto run = [&](const ChannelFirstItem& item, auto silu) {
+    const int64_t row_words = p.length / 2;
+    const int64_t row_at = item.row * row_words + lane;
+    // Times this item loads: its own, and the block after them (of which dx needs P deltas).
+    const int64_t loaded_end = std::min(item.c1 + kMmaBlock, p.length);
+    const int64_t lane_loaded = loaded_end / 2 - lane, lane_words = row_words - lane;
+    // Words from a lane's first word of the item on before `lane_end`, in an int (blocks are
+    // counted in ints; those past kMaxWordsLeft are never reached).
+    const auto words_left = [&](int64_t lane_end) {
+      const int64_t left = lane_end - item.c0 / 2;
+      return static_cast<int>(left < kMaxWordsLeft ? left : kMaxWordsLeft);
+    };
+    // The ring's copies first, so that the weights' loads wait behind them, not before them.
+    // Lane l copies 16 bytes of block m: x words 4l .. 4l + 3 (l < 16) or dy words 4(l - 16) ..
+    // 4(l - 16) + 3, whole or not at all (L and so loaded_end are multiples of 8 times).
+    const int chunk_word = 4 * (lane % 16);
+    const uint32_t* const fetch_from = static_cast<const uint32_t*>(lane < 16 ? p.x : p.dy) +
+                                       (item.row * row_words + item.c0 / 2 + chunk_word);
+    const int fetch_words = words_left(loaded_end / 2 - chunk_word);
+    const auto fetch = [&](int m) {
+      const uint32_t to = slots_shared + (m & (kMmaRing - 1)) * static_cast<int>(sizeof(Slot));
+      if (m * kWords < fetch_words) copy_async<16>(to, fetch_from + m * kWords);
+      ring_commit();
+    };
+    __syncwarp();  // the lanes' reads of the slots in the warp's last item precede these copies
+    for (int m = 0; m < kMmaRing - 1; ++m) fetch(m);
     // Where the item's sums go, found before the blocks: the item's indices need not live
     // through them (with them, 80 registers spilled 8 bytes).
     float* const sums_at =
@@ -881,22 +923,25 @@ __global__ void __launch_bounds__(kChannelFirstThreads, 6)
     tap_fragment(w, lane, [](int k, int n) { return n + 8 - k; }, pre_hi, pre_lo, &bias[0]);
     tap_fragment(w, lane, [](int k, int n) { return k - n; }, dx_hi, dx_lo);
     // The lane's words of the row: of block `base`, words base / 2 + 32 h from these.
-    const int64_t row_words = p.length / 2;
-    const int64_t row_at = item.row * row_words + lane;
     const uint32_t* x = static_cast<const uint32_t*>(p.x) + row_at;
-    const uint32_t* dy = static_cast<const uint32_t*>(p.dy) + row_at;
     uint32_t* dx = static_cast<uint32_t*>(p.dx) + row_at;
-    // Times this item loads: its own, and the block after them (of which dx needs P deltas).
-    const int64_t loaded_end = std::min(item.c1 + kMmaBlock, p.length);
-    const int64_t lane_loaded = loaded_end / 2 - lane, lane_words = row_words - lane;
-    // The words of block `base` (checked: where they may lie past loaded_end, read as 0).
-    const auto load = [&](int64_t base, Words& out) {
+    // Block m's words, once all lanes' copies of it have landed (its group is kMmaRing - 2 from
+    // the newest); then the copy of block m + kMmaRing - 1 into the slot that every lane read
+    // at block m - 1, before this wait's __syncwarp. checked (std::true_type): words at or past
+    // loads_left (past loaded_end: the slot holds older words) read as 0, so that a block past
+    // the row has zero deltas.
+    const int loads_left = words_left(lane_loaded);
+    const auto take = [&](int m, Words& out, auto checked) {
+      ring_wait<kMmaRing - 2>();
+      __syncwarp();
+      const Slot& slot = slots[m & (kMmaRing - 1)];
       for (int h = 0; h < 2; ++h) {
-        const int64_t word = base / 2 + 32 * h;
-        const bool live = word < lane_loaded;
-        out.x[h] = live ? __ldg(x + word) : 0u;
-        out.dy[h] = live ? __ldg(dy + word) : 0u;
+        const int word = lane + 32 * h;
+        const bool live = !decltype(checked)::value || m * kWords + 32 * h < loads_left;
+        out.x[h] = live ? slot.x[word] : 0u;
+        out.dy[h] = live ? slot.dy[word] : 0u;
       }
+      fetch(m + kMmaRing - 1);
     };
     // Lanes 0-3: x word l - 4 of the next block (0 before the row: no initial state here).
     uint32_t carry = item.c0 > 0 && lane < 4 ? __ldg(x + item.c0 / 2 - 4) : 0u;
@@ -961,75 +1006,42 @@ __global__ void __launch_bounds__(kChannelFirstThreads, 6)
       }
     };
     const int blocks = static_cast<int>((item.c1 - item.c0 + kMmaBlock - 1) / kMmaBlock);
-    // Words of blocks n + 1 and n + 2 at the loop's block n: two blocks' compute ahead of use.
-    Words first, ahead[2];
-    load(item.c0, first);
-    load(item.c0 + kMmaBlock, ahead[0]);
-    load(item.c0 + 2 * kMmaBlock, ahead[1]);
+    Words in;
     Delta delta_a, delta_b;  // block n's dpre in delta_a
-    deltas(first, delta_a);
+    take(0, in, std::true_type{});
+    deltas(in, delta_a);
     accumulate(delta_a);
     int n = 0;
-    // Pairs of blocks whose deltas up to n + 2 are the item's own and whose loads up to n + 4
-    // lie before loaded_end: no checks, lane pointers with immediate offsets, the slots and
-    // deltas renamed instead of moved (a block a pass took 202 SASS instructions at K = 8, of
-    // which about 90 the checks, 64-bit offsets and moves).
-    constexpr int kWords = kMmaBlock / 2;
-    const uint32_t* x_at = x + item.c0 / 2;
-    const uint32_t* dy_at = dy + item.c0 / 2;
+    // Pairs of blocks whose deltas up to n + 2 are the item's own and whose words up to block
+    // n + 2 are all loaded: no checks, the deltas renamed instead of moved (a block a pass took
+    // 202 SASS instructions at K = 8, of which about 90 the checks, 64-bit offsets and moves).
     uint32_t* dx_at = dx + item.c0 / 2;
-    const auto load_unchecked = [&](int block, Words& out) {
-      for (int h = 0; h < 2; ++h) {
-        out.x[h] = __ldg(x_at + block * kWords + 32 * h);
-        out.dy[h] = __ldg(dy_at + block * kWords + 32 * h);
-      }
-    };
-    const int pairs_end =
-        std::min(blocks - 2, static_cast<int>((loaded_end - item.c0) / kMmaBlock) - 4);
-    // The lane's words from x_at on before loaded_end and before the row's end, counted down
-    // through the pairs (kept from the start, the 64-bit ends cost 24 bytes of spills at 80
-    // registers).
-    const auto words_left = [&](int64_t lane_end) {
-      const int64_t left = lane_end - item.c0 / 2;
-      return static_cast<int>(left < kMaxWordsLeft ? left : kMaxWordsLeft);
-    };
-    int loads_left = words_left(lane_loaded), stores_left = words_left(lane_words);
+    const int full_blocks = static_cast<int>((loaded_end - item.c0) / kMmaBlock);
+    const int pairs_end = std::min(blocks, full_blocks) - 2;
+    // The lane's words from dx_at on before the row's end, counted down through the pairs (kept
+    // from the start, the 64-bit ends cost 24 bytes of spills at 80 registers).
+    int stores_left = words_left(lane_words);
     for (; n < pairs_end; n += 2) {
-      deltas(ahead[0], delta_b);
-      load_unchecked(3, ahead[0]);
+      take(n + 1, in, std::false_type{});
+      deltas(in, delta_b);
       accumulate(delta_b);
       input_grads(dx_at, kWords, delta_a, delta_b);
-      deltas(ahead[1], delta_a);
-      load_unchecked(4, ahead[1]);
+      take(n + 2, in, std::false_type{});
+      deltas(in, delta_a);
       accumulate(delta_a);
       input_grads(dx_at + kWords, kWords, delta_b, delta_a);
-      x_at += 2 * kWords;
-      dy_at += 2 * kWords;
       dx_at += 2 * kWords;
-      loads_left -= 2 * kWords;
       stores_left -= 2 * kWords;
     }
-    // The last blocks (at most 4): loads checked against the lane's words left before
-    // loaded_end (those past it read as 0, so that a block past the row has zero deltas), stores
-    // against the row's end; in ints from the lane pointers (with 64-bit offsets a block took 184
-    // SASS instructions at K = 8).
+    // The last blocks (at most 4): stores checked against the row's end, in ints from the lane
+    // pointer (with 64-bit offsets a block took 184 SASS instructions at K = 8).
     for (; n < blocks; ++n) {
-      const Words in = ahead[0];
-      ahead[0] = ahead[1];
-      for (int h = 0; h < 2; ++h) {
-        const int offset = 3 * kWords + 32 * h;
-        const bool live = offset < loads_left;
-        ahead[1].x[h] = live ? __ldg(x_at + offset) : 0u;
-        ahead[1].dy[h] = live ? __ldg(dy_at + offset) : 0u;
-      }
+      take(n + 1, in, std::true_type{});
       deltas(in, delta_b);
       if (n + 1 < blocks) accumulate(delta_b);  // a block past c1 is the next item's
       input_grads(dx_at, stores_left, delta_a, delta_b);
       delta_a = delta_b;
-      x_at += kWords;
-      dy_at += kWords;
       dx_at += kWords;
-      loads_left -= kWords;
       stores_left -= kWords;
     }
     // Lane l's entries: (k, n) = (g, 2q), (g, 2q + 1), (g + 8, 2q), (g + 8, 2q + 1).
