@@ -903,8 +903,11 @@ __global__ void __launch_bounds__(kChannelFirstThreads, 6)
     // Lane l copies 16 bytes of block m: x words 4l .. 4l + 3 (l < 16) or dy words 4(l - 16) ..
     // 4(l - 16) + 3, whole or not at all (L and so loaded_end are multiples of 8 times).
     const int chunk_word = 4 * (lane % 16);
-    const uint32_t* const fetch_from = static_cast<const uint32_t*>(lane < 16 ? p.x : p.dy) +
-                                       (item.row * row_words + item.c0 / 2 + chunk_word);
+    const uint32_t* fetch_from = static_cast<const uint32_t*>(lane < 16 ? p.x : p.dy) +
+                                 (item.row * row_words + item.c0 / 2 + chunk_word);
+    // Held opaque: NVVM kept the base and the 64-bit offset apart, 6 instructions a copy's
+    // address instead of one multiply-add.
+    asm("" : "+l"(fetch_from));
     const int fetch_words = words_left(loaded_end / 2 - chunk_word);
     const auto fetch = [&](int m) {
       const uint32_t to = slots_shared + (m & (kMmaRing - 1)) * static_cast<int>(sizeof(Slot));
