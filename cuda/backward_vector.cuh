@@ -833,11 +833,15 @@ __device__ __forceinline__ void split_pair(float low, float high, uint32_t& hi, 
   lo = bf16_pair(low - __uint_as_float(hi << 16), high - __uint_as_float(hi & 0xffff0000u));
 }
 
-// The lane's B fragment of B[k][n] = the tap of lag lag_of(k, n) (weight P - lag; zero outside
-// the taps), row 0 row_0 where given, split into high and low parts. The lane's lags are known
-// only at run time: selects, once an item, keep the weights in registers.
-template <int K, typename LagOf>
-__device__ __forceinline__ void tap_fragment(const float (&w)[K][1], int lane, const LagOf& lag_of,
+// Lags of the tap fragments' entries: -7 .. 15.
+constexpr int kMinLag = -7, kLags = 23;
+
+// The lane's B fragment of B[k][n] = the tap of lag lag_of(k, n), by_lag[lag - kMinLag] (the
+// warp's table in shared memory: weight P - lag, zero outside the taps), row 0 row_0 where given,
+// split into high and low parts. The lane's lags are known only at run time: with the weights in
+// registers, selects for each lag took 64 compares and 64 selects an item at K = 8.
+template <typename LagOf>
+__device__ __forceinline__ void tap_fragment(const float* by_lag, int lane, const LagOf& lag_of,
                                              uint32_t (&hi)[2], uint32_t (&lo)[2],
                                              const float* row_0 = nullptr) {
   const int g = lane >> 2, q = lane & 3;
@@ -845,10 +849,7 @@ __device__ __forceinline__ void tap_fragment(const float (&w)[K][1], int lane, c
     float taps[2];
     for (int e = 0; e < 2; ++e) {
       const int k = 2 * q + 8 * r + e;
-      const int lag = lag_of(k, g);
-      taps[e] = 0.0f;
-      for (int j = 0; j < K; ++j) taps[e] = lag == K - 1 - j ? w[j][0] : taps[e];
-      if (row_0 != nullptr && k == 0) taps[e] = *row_0;
+      taps[e] = row_0 != nullptr && k == 0 ? *row_0 : by_lag[lag_of(k, g) - kMinLag];
     }
     split_pair(taps[0], taps[1], hi[r], lo[r]);
   }
@@ -877,16 +878,16 @@ __global__ void __launch_bounds__(kChannelFirstThreads, 6)
   struct Delta {
     uint32_t hi[2], lo[2];
   };
-  // The warp's ring: kMmaRing blocks' x and dy words.
+  // The warp's ring: kMmaRing slots of a block's x words, then its dy words.
   constexpr int kWords = kMmaBlock / 2;  // a block's words of one row
-  struct Slot {
-    uint32_t x[kWords], dy[kWords];
-  };
-  __shared__ Slot ring[kChannelFirstThreads / kLanes][kMmaRing];
-  const Slot* const slots = ring[threadIdx.x / kLanes];
+  constexpr int kWarps = kChannelFirstThreads / kLanes;
+  __shared__ uint32_t ring[kWarps][kMmaRing][2 * kWords];
+  __shared__ float taps_by_lag[kWarps][kLags];
+  const int warp = threadIdx.x / kLanes;
+  uint32_t (*const slots)[2 * kWords] = ring[warp];
   // Lane l's 16 bytes of the warp's slot 0 (see fetch), as a shared-window address for cp.async.
   const uint32_t slots_shared =
-      static_cast<uint32_t>(__cvta_generic_to_shared(&ring[threadIdx.x / kLanes][0])) + 16 * lane;
+      static_cast<uint32_t>(__cvta_generic_to_shared(&ring[warp][0][0])) + 16 * lane;
   const auto run = [&](const ChannelFirstItem& item, auto silu) {
     const int64_t row_words = p.length / 2;
     const int64_t row_at = item.row * row_words + lane;
@@ -910,11 +911,13 @@ __global__ void __launch_bounds__(kChannelFirstThreads, 6)
     asm("" : "+l"(fetch_from));
     const int fetch_words = words_left(loaded_end / 2 - chunk_word);
     const auto fetch = [&](int m) {
-      const uint32_t to = slots_shared + (m & (kMmaRing - 1)) * static_cast<int>(sizeof(Slot));
+      const uint32_t to = slots_shared + (m & (kMmaRing - 1)) * (2 * kWords * 4);
       if (m * kWords < fetch_words) copy_async<16>(to, fetch_from + m * kWords);
       ring_commit();
     };
-    __syncwarp();  // the lanes' reads of the slots in the warp's last item precede these copies
+    // The lanes' reads of the slots and the taps' table in the warp's last item precede these
+    // copies and writes.
+    __syncwarp();
     for (int m = 0; m < kMmaRing - 1; ++m) fetch(m);
     // Where the item's sums go, found before the blocks: the item's indices need not live
     // through them (with them, 80 registers spilled 8 bytes).
@@ -922,9 +925,17 @@ __global__ void __launch_bounds__(kChannelFirstThreads, 6)
         partials + ((item.b * item.chunks + item.chunk) * p.channels + item.d) * (K + 1);
     float w[K][1], bias[1];
     load_param_row<T>(p, item.param_row, w, bias);
+    float* const by_lag = taps_by_lag[warp];
+    if (lane < kLags) {
+      const int lag = lane + kMinLag;
+      float tap = 0.0f;
+      for (int j = 0; j < K; ++j) tap = lag == P - j ? w[j][0] : tap;
+      by_lag[lane] = tap;
+    }
+    __syncwarp();
     uint32_t pre_hi[2], pre_lo[2], dx_hi[2], dx_lo[2];
-    tap_fragment(w, lane, [](int k, int n) { return n + 8 - k; }, pre_hi, pre_lo, &bias[0]);
-    tap_fragment(w, lane, [](int k, int n) { return k - n; }, dx_hi, dx_lo);
+    tap_fragment(by_lag, lane, [](int k, int n) { return n + 8 - k; }, pre_hi, pre_lo, &bias[0]);
+    tap_fragment(by_lag, lane, [](int k, int n) { return k - n; }, dx_hi, dx_lo);
     // The lane's words of the row: of block `base`, words base / 2 + 32 h from these.
     const uint32_t* x = static_cast<const uint32_t*>(p.x) + row_at;
     uint32_t* dx = static_cast<uint32_t*>(p.dx) + row_at;
@@ -937,12 +948,12 @@ __global__ void __launch_bounds__(kChannelFirstThreads, 6)
     const auto take = [&](int m, Words& out, auto checked) {
       ring_wait<kMmaRing - 2>();
       __syncwarp();
-      const Slot& slot = slots[m & (kMmaRing - 1)];
+      const uint32_t* const slot = slots[m & (kMmaRing - 1)];
       for (int h = 0; h < 2; ++h) {
         const int word = lane + 32 * h;
         const bool live = !decltype(checked)::value || m * kWords + 32 * h < loads_left;
-        out.x[h] = live ? slot.x[word] : 0u;
-        out.dy[h] = live ? slot.dy[word] : 0u;
+        out.x[h] = live ? slot[word] : 0u;
+        out.dy[h] = live ? slot[kWords + word] : 0u;
       }
       fetch(m + kMmaRing - 1);
     };
@@ -1047,18 +1058,25 @@ __global__ void __launch_bounds__(kChannelFirstThreads, 6)
       dx_at += kWords;
       stores_left -= kWords;
     }
-    // Lane l's entries: (k, n) = (g, 2q), (g, 2q + 1), (g + 8, 2q), (g + 8, 2q + 1).
-    float sums[K + 1];
+    // The sums through slot 0 (no copies in flight: the blocks past the last taken are past
+    // loaded_end), as the 16 x 8 entries (k, n), lane l's (g, 2q), (g, 2q + 1), (g + 8, 2q),
+    // (g + 8, 2q + 1); lane k < K sums the 8 of lag P - k (k' = n + 8 - lag), lane K those of row
+    // 0. With selects of each entry for each tap and warp_sum_scatter, about 170 instructions.
+    __syncwarp();  // every lane's reads of slot 0 precede these writes
+    uint32_t* const entries = slots[0];
     const int g = lane >> 2, q = lane & 3;
-    for (int k = 0; k <= K; ++k) sums[k] = 0.0f;
     for (int i = 0; i < 4; ++i) {
-      const int row = g + 8 * (i >> 1);
-      const int lag = 2 * q + (i & 1) + 8 - row;
-      for (int k = 0; k < K; ++k) sums[k] += lag == P - k ? dw[i] : 0.0f;
-      sums[K] += row == 0 ? dw[i] : 0.0f;
+      entries[8 * (g + 8 * (i >> 1)) + 2 * q + (i & 1)] = __float_as_uint(dw[i]);
     }
-    const float sum = warp_sum_scatter<kLanes>(sums, lane);
-    if (lane <= K) sums_at[lane] = sum;
+    __syncwarp();
+    if (lane <= K) {
+      float sum = 0.0f;
+      for (int n = 0; n < 8; ++n) {
+        const int k = lane == K ? 0 : n + 8 - (P - lane);
+        sum += __uint_as_float(entries[8 * k + n]);
+      }
+      sums_at[lane] = sum;
+    }
   };
   with_bool_constant(p.silu, [&](auto silu) {
     for_each_channel_first_item<kPack<T>, P, false, ItemKept::kNothing, kLanes>(
