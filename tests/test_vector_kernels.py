@@ -492,6 +492,19 @@ def test_channel_first_tensor_cores(dev, width, length, case):
                 final=case["final"])
 
 
+# Rows of 9 blocks, whole items where the device holds 3168 warps of the kernel (an H200; the
+# cases above cut their few rows into items of 1 to 8 blocks): the copies of a warp's ring of 8
+# blocks wrap, the partial last block landing in the slot of the row's first and the block past
+# the row (read as zeros) in that of its second.
+@pytest.mark.parametrize("width", [7, 8])
+@pytest.mark.parametrize("dev", GPU)
+def test_channel_first_tensor_cores_ring_wrap(dev, width):
+    rng = np.random.default_rng(13)
+    args, _ = inputs(rng, jnp.bfloat16, batch=2, length=1032, channels=4096, width=width,
+                     layout="BDL", bias=True, state=False)
+    compare(dev, rng, args, None, jnp.bfloat16, activation="silu", layout="BDL", final="none")
+
+
 # The tensor-core backward's dw/db sums: each warp's in a fixed order, then the reduction's.
 @pytest.mark.parametrize("width", [7, 8])
 @pytest.mark.parametrize("dev", GPU)
