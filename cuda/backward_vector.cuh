@@ -801,7 +801,10 @@ constexpr int64_t kMaxWordsLeft = int64_t{1} << 30;
 // at 6 blocks of 128), the kernel ran slower than the scalar one at half its instructions (H200,
 // B=8 L=2048 D=4096 BDL: K = 8 147.7 us against 141.9, K = 7 146.5 against 129.9, twenty-seventh
 // session): bound by the loads' latency. Copies in flight hold no registers: 7 blocks, up to
-// 3.5 KB a warp and 84 KB per SM, in 16 KB of shared memory a block (96 KB per SM).
+// 3.5 KB a warp and 84 KB per SM (about 65 KB on average over an item of 16 blocks), in 16 KB of
+// shared memory a block (96 KB per SM, still 6 blocks). Lane l copies 16 bytes of x (l < 16) or
+// dy, so the warp waits on its lanes' copies with a __syncwarp; the waits, reads and copies cost
+// a pair of blocks 193 -> 223 SASS instructions at K = 8 (predicted: memory-bound all the same).
 constexpr int kMmaRing = 8;
 
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4],
@@ -870,7 +873,7 @@ __global__ void __launch_bounds__(kChannelFirstThreads, 6)
   static_assert(K <= 8, "column 0 of A is free");
   const int lane = threadIdx.x % kLanes;
   allow_dependent_grid();  // the reduction's blocks may wait on the SMs (see launch_dependent)
-  // A block's words as lane l loads them: words l and l + 32 of x and dy.
+  // A block's words as lane l reads them from the ring: words l and l + 32 of x and dy.
   struct Words {
     uint32_t x[2], dy[2];
   };
