@@ -73,20 +73,29 @@ constexpr bool backward_stages_final_state() {
   return kMasked && !(sizeof(T) == 2 && K == 2);
 }
 
-// Whether the masked channel-last backward's checked steps (the tile edges' and, in the kernels
+// Whether the channel-last backward's checked steps (the tile edges' and, masked in the kernels
 // with a register cap, every step at a segment boundary; see below) compute each channel's
 // activation before selecting it and test the taps of a dx by the bits of one word. Tested tap by
 // tap, and with the activation inside the select on `output`, ptxas made a checked step 20 branch
-// regions run one after another: at bf16 K = 4 the chunk loop outside its step loops took 949
-// instructions with 101 branches, against 738 with 33 (sm_90 SASS; the step loops the same but
+// regions run one after another: at masked bf16 K = 4 the chunk loop outside its step loops took
+// 949 instructions with 101 branches, against 738 with 33 (sm_90 SASS; the step loops the same but
 // for scheduling). A checked step costs far more than its count: the twenty-second session's
 // traces took 15.1 us longer with 16 sequences a row than with 4, whose slowest tiles hold 7
 // boundaries against 2, so about 3 us a boundary, P checked steps in place of uniform ones
-// (benchmarks/RESULTS.md). Not at K = 2: 16-bit K = 2 (8 channels a thread, at the cap of 128
-// registers) spilled 8-16 bytes with it, float K = 2 (at 5 blocks) 8 with the activation's.
-template <int K, bool kMasked>
+// (benchmarks/RESULTS.md). H200 traces, packed BLD bwd bf16 K = 4: 124.5 -> 118.1 us, with 16
+// sequences a row 138.4 -> 125.6 (twenty-seventh session). Without seq_idx every thread runs 2P
+// of them a tile, each with one branch region a channel around its activation and one around its
+// dx taps: the plain bf16 K = 4 silu edge step took 269 instructions in 11 branch regions (its
+// final state's dF loads aside), against 229 in 3 (K = 8: 412 in 11, against 336 in 3); traces,
+// plain BLD bwd: 109.6 -> 108.7, K = 8 141.1 -> 137.8, D = 256 13.5 -> 12.67 (twenty-seventh
+// session, which read D = 256 at 15.98 once, a one-off: the same kernel runs D = 4096). Not at
+// K = 2 with seq_idx: 16-bit K = 2 (8 channels a thread, at the cap of 128 registers) spilled
+// 8-16 bytes with it, float K = 2 (at 5 blocks) 8 with the activation's; nor at 16-bit K = 2
+// without (bf16 spilled 8 bytes; one path serves both 16-bit types) or 16-bit K = 6 without (no
+// cap: bf16 took 172 registers against 166, 2 blocks an SM against 3; float16 168 against 174).
+template <typename T, int K, bool kMasked>
 constexpr bool backward_selects_checked_taps() {
-  return kMasked && K > 2;
+  return kMasked ? K > 2 : !(sizeof(T) == 2 && (K == 2 || K == 6));
 }
 
 // (B, L, D), D a multiple of C. A thread owns C channels over one tile [t0, t1) and streams s from
@@ -114,7 +123,7 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
   constexpr bool kAhead = backward_reads_ahead<T, K, kMasked>();
   static_assert(!kAhead || kDepth >= 2, "a read ahead leaves the ring a row in flight");
   constexpr bool kStagedFinal = backward_stages_final_state<T, K, kMasked>();
-  constexpr bool kSelectedTaps = backward_selects_checked_taps<K, kMasked>();
+  constexpr bool kSelectedTaps = backward_selects_checked_taps<T, K, kMasked>();
   using FinalRows = RowSlots<P, Row, kBackwardThreads>;
   // The x ring, the dy ring, then (kStagedFinal) dF's rows; once a grouped block's steps are done,
   // its warps' dw/db sums.
@@ -762,6 +771,328 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
     for_each_channel_first_item<V, P, kMasked, ItemKept::kNothing, kWidth>(
         p, split, P,
         [&](const ChannelFirstItem& item, UniformSegments uniform) { run(item, uniform, silu); });
+  });
+}
+
+// ---- channel-first backward on tensor cores: bfloat16, K = 7 and 8, no seq_idx or states ----
+//
+// The scalar kernel above issues about 3K + 10 FP32 instructions an element (pre = conv(x, w),
+// dx = the anti-causal conv of dpre with w, dw += x dpre, the activation's derivative): at K = 7
+// and 8 it is issue-bound (H200, B=8 L=2048 D=4096 BDL: 131.9 and 143.0 us against 113.0 at
+// K = 4, twenty-seventh session). Here pre and dx are products of x and dpre with Toeplitz
+// matrices of the taps, and dw a product of x and dpre, each an m16n8k16 MMA per 128 times of
+// one channel (PTX fragment layouts; g = lane / 4, q = lane % 4; word w of a block: its times
+// 2w and 2w + 1, lane l loading words l and l + 32):
+// - pre: A[m][k] = x[base + 8m + k - 8], B[k][n] = the tap of lag n + 8 - k, D[m][n] = pre at
+//   base + 8m + n (K <= 9). A's fragment is words l - 4, l + 28, l, l + 32: two shuffles from
+//   lane l - 4, lanes 0-3 taking the previous block's words 60-63 (the carry). D's is words l
+//   and l + 32, the loads' own layout, so dy and dx use it as loaded.
+// - dx[t] = sum_j tap_j dpre[t + j]: A'[m][k] = dpre[base + 8m + k] (words l, l + 32, l + 4,
+//   l + 36: three shuffles from lane l + 4, lanes 28-31 taking the next block's words 0-3) and
+//   B'[k][n] = the tap of lag k - n.
+// - dw: the entry (k, n) of A^T (16 x 16, four movmatrix of A) times dpre's D fragment
+//   transposed (two movmatrix: B[m][n] = dpre[base + 8m + n]) sums x[t - lag] dpre[t] over the
+//   block's t = base + 8m + n, lag = n + 8 - k; the warp accumulates it over the item and sums
+//   the diagonals at the end.
+// x is exact in bfloat16; the float weights and dpre are split into bfloat16 high and low parts,
+// so that the products keep about 16 bits more than bfloat16: two MMAs for pre (x w_hi, x w_lo),
+// three for dx (dpre_hi w_hi, dpre_hi w_lo, dpre_lo w_hi), two for dw, all summed in float.
+// scripts/mma_fragment_model.py simulates these fragments lane by lane against float64.
+// Unlike the scalar kernels, a NaN or Inf in x, dy or the weights also reaches outputs whose taps
+// do not read it: the zero entries of its MMA's Toeplitz matrix multiply it (Inf x 0 = NaN), and
+// an infinite dpre's low part is Inf - Inf. (The tests of non-finite inputs use float32 and
+// float64.)
+constexpr int64_t kMmaBlock = 128;
+// Words counted from a lane pointer in an int (those past it are neither loaded nor stored).
+constexpr int64_t kMaxWordsLeft = int64_t{1} << 30;
+// Blocks of x and dy words in a warp's cp.async ring (kMmaRing - 1 of them in flight, 512 bytes
+// each). With the words loaded into registers two blocks ahead (at most 1 KB a warp, 24 KB per SM
+// at 6 blocks of 128), the kernel ran slower than the scalar one at half its instructions (H200,
+// B=8 L=2048 D=4096 BDL: K = 8 147.7 us against 141.9, K = 7 146.5 against 129.9, twenty-seventh
+// session): bound by the loads' latency. Copies in flight hold no registers: 7 blocks, up to
+// 3.5 KB a warp and 84 KB per SM (about 65 KB on average over an item of 16 blocks), in 16 KB of
+// shared memory a block (96 KB per SM, still 6 blocks). Lane l copies 16 bytes of x (l < 16) or
+// dy, so the warp waits on its lanes' copies with a __syncwarp; the waits, reads and copies cost
+// a pair of blocks 193 -> 223 SASS instructions at K = 8 (predicted: memory-bound all the same).
+constexpr int kMmaRing = 8;
+
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4],
+                                               const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// An 8 x 8 bfloat16 fragment (lane: row g, columns 2q and 2q + 1) of the transposed matrix.
+__device__ __forceinline__ uint32_t transpose_8x8(uint32_t fragment) {
+  uint32_t out;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(out) : "r"(fragment));
+  return out;
+}
+
+__device__ __forceinline__ uint32_t bf16_pair(float low, float high) {
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(low, high);
+  uint32_t word;
+  memcpy(&word, &pair, sizeof word);
+  return word;
+}
+
+// low + (high << 16) as bfloat16 pairs hi and lo with value ~ hi + lo (to about 2^-17).
+__device__ __forceinline__ void split_pair(float low, float high, uint32_t& hi, uint32_t& lo) {
+  hi = bf16_pair(low, high);
+  lo = bf16_pair(low - __uint_as_float(hi << 16), high - __uint_as_float(hi & 0xffff0000u));
+}
+
+// Lags of the tap fragments' entries: -7 .. 15.
+constexpr int kMinLag = -7, kLags = 23;
+
+// The lane's B fragment of B[k][n] = the tap of lag lag_of(k, n), by_lag[lag - kMinLag] (the
+// warp's table in shared memory: weight P - lag, zero outside the taps), row 0 row_0 where given,
+// split into high and low parts. The lane's lags are known only at run time: with the weights in
+// registers, selects for each lag took 64 compares and 64 selects an item at K = 8.
+template <typename LagOf>
+__device__ __forceinline__ void tap_fragment(const float* by_lag, int lane, const LagOf& lag_of,
+                                             uint32_t (&hi)[2], uint32_t (&lo)[2],
+                                             const float* row_0 = nullptr) {
+  const int g = lane >> 2, q = lane & 3;
+  for (int r = 0; r < 2; ++r) {
+    float taps[2];
+    for (int e = 0; e < 2; ++e) {
+      const int k = 2 * q + 8 * r + e;
+      taps[e] = row_0 != nullptr && k == 0 ? *row_0 : by_lag[lag_of(k, g) - kMinLag];
+    }
+    split_pair(taps[0], taps[1], hi[r], lo[r]);
+  }
+}
+
+// (B, D, L) bfloat16 without seq_idx or states, L a multiple of 8 and longer than the short
+// rows': a warp takes one channel's times [c0, c1) (c0 a multiple of kMmaBlock) in blocks of
+// kMmaBlock, and the first block after them for the dx of its last times. dw/db sums go to
+// partials[b, chunk, d, 0..K] as the scalar kernel's do, in a fixed order.
+template <int K>
+__global__ void __launch_bounds__(kChannelFirstThreads, 6)
+    backward_channel_first_mma_kernel(ConvParams p, float* partials, ChannelFirstSplit split) {
+  using T = __nv_bfloat16;
+  constexpr int P = K - 1;
+  // Up to 9 taps a block's pre-activations are one product (lags up to 8). Up to 8, column 0 of
+  // A (x at lag n + 8 for output n) is no tap's: it holds ones, so that row 0 of B adds the bias
+  // (the accumulator starts at zero, no moves) and row 0 of A^T sums dpre for db.
+  static_assert(K <= 8, "column 0 of A is free");
+  const int lane = threadIdx.x % kLanes;
+  allow_dependent_grid();  // the reduction's blocks may wait on the SMs (see launch_dependent)
+  // A block's words as lane l reads them from the ring: words l and l + 32 of x and dy.
+  struct Words {
+    uint32_t x[2], dy[2];
+  };
+  // A block's dpre in D's layout (times 2l, 2l + 1 and 64 + 2l, 64 + 2l + 1), as bf16 pairs.
+  struct Delta {
+    uint32_t hi[2], lo[2];
+  };
+  // The warp's ring: kMmaRing slots of a block's x words, then its dy words.
+  constexpr int kWords = kMmaBlock / 2;  // a block's words of one row
+  constexpr int kWarps = kChannelFirstThreads / kLanes;
+  __shared__ uint32_t ring[kWarps][kMmaRing][2 * kWords];
+  __shared__ float taps_by_lag[kWarps][kLags];
+  const int warp = threadIdx.x / kLanes;
+  uint32_t (*const slots)[2 * kWords] = ring[warp];
+  // Lane l's 16 bytes of the warp's slot 0 (see fetch), as a shared-window address for cp.async.
+  const uint32_t slots_shared =
+      static_cast<uint32_t>(__cvta_generic_to_shared(&ring[warp][0][0])) + 16 * lane;
+  const auto run = [&](const ChannelFirstItem& item, auto silu) {
+    const int64_t row_words = p.length / 2;
+    const int64_t row_at = item.row * row_words + lane;
+    // Times this item loads: its own, and the block after them (of which dx needs P deltas).
+    const int64_t loaded_end = std::min(item.c1 + kMmaBlock, p.length);
+    const int64_t lane_loaded = loaded_end / 2 - lane, lane_words = row_words - lane;
+    // Words from a lane's first word of the item on before `lane_end`, in an int (blocks are
+    // counted in ints; those past kMaxWordsLeft are never reached).
+    const auto words_left = [&](int64_t lane_end) {
+      const int64_t left = lane_end - item.c0 / 2;
+      return static_cast<int>(left < kMaxWordsLeft ? left : kMaxWordsLeft);
+    };
+    // The ring's copies first, so that the weights' loads wait behind them, not before them.
+    // Lane l copies 16 bytes of block m: x words 4l .. 4l + 3 (l < 16) or dy words 4(l - 16) ..
+    // 4(l - 16) + 3, whole or not at all (L and so loaded_end are multiples of 8 times).
+    const int chunk_word = 4 * (lane % 16);
+    const uint32_t* fetch_from = static_cast<const uint32_t*>(lane < 16 ? p.x : p.dy) +
+                                 (item.row * row_words + item.c0 / 2 + chunk_word);
+    // Held opaque: NVVM kept the base and the 64-bit offset apart, 6 instructions a copy's
+    // address instead of one multiply-add.
+    asm("" : "+l"(fetch_from));
+    const int fetch_words = words_left(loaded_end / 2 - chunk_word);
+    const auto fetch = [&](int m) {
+      const uint32_t to = slots_shared + (m & (kMmaRing - 1)) * (2 * kWords * 4);
+      if (m * kWords < fetch_words) copy_async<16>(to, fetch_from + m * kWords);
+      ring_commit();
+    };
+    // The lanes' reads of the slots and the taps' table in the warp's last item precede these
+    // copies and writes.
+    __syncwarp();
+    for (int m = 0; m < kMmaRing - 1; ++m) fetch(m);
+    // Where the item's sums go, found before the blocks: the item's indices need not live
+    // through them (with them, 80 registers spilled 8 bytes).
+    float* const sums_at =
+        partials + ((item.b * item.chunks + item.chunk) * p.channels + item.d) * (K + 1);
+    float w[K][1], bias[1];
+    load_param_row<T>(p, item.param_row, w, bias);
+    float* const by_lag = taps_by_lag[warp];
+    if (lane < kLags) {
+      const int lag = lane + kMinLag;
+      float tap = 0.0f;
+      for (int j = 0; j < K; ++j) tap = lag == P - j ? w[j][0] : tap;
+      by_lag[lane] = tap;
+    }
+    __syncwarp();
+    uint32_t pre_hi[2], pre_lo[2], dx_hi[2], dx_lo[2];
+    tap_fragment(by_lag, lane, [](int k, int n) { return n + 8 - k; }, pre_hi, pre_lo, &bias[0]);
+    tap_fragment(by_lag, lane, [](int k, int n) { return k - n; }, dx_hi, dx_lo);
+    // The lane's words of the row: of block `base`, words base / 2 + 32 h from these.
+    const uint32_t* x = static_cast<const uint32_t*>(p.x) + row_at;
+    uint32_t* dx = static_cast<uint32_t*>(p.dx) + row_at;
+    // Block m's words, once all lanes' copies of it have landed (its group is kMmaRing - 2 from
+    // the newest); then the copy of block m + kMmaRing - 1 into the slot that every lane read
+    // at block m - 1, before this wait's __syncwarp. checked (std::true_type): words at or past
+    // loads_left (past loaded_end: the slot holds older words) read as 0, so that a block past
+    // the row has zero deltas.
+    const int loads_left = words_left(lane_loaded);
+    const auto take = [&](int m, Words& out, auto checked) {
+      ring_wait<kMmaRing - 2>();
+      __syncwarp();
+      const uint32_t* const slot = slots[m & (kMmaRing - 1)];
+      for (int h = 0; h < 2; ++h) {
+        const int word = lane + 32 * h;
+        const bool live = !decltype(checked)::value || m * kWords + 32 * h < loads_left;
+        out.x[h] = live ? slot[word] : 0u;
+        out.dy[h] = live ? slot[kWords + word] : 0u;
+      }
+      fetch(m + kMmaRing - 1);
+    };
+    // Lanes 0-3: x word l - 4 of the next block (0 before the row: no initial state here).
+    uint32_t carry = item.c0 > 0 && lane < 4 ? __ldg(x + item.c0 / 2 - 4) : 0u;
+    float dw[4] = {};  // entry (k, n): of lag n + 8 - k; k = 0, of db
+    uint32_t a[4];     // the block's x fragment, for its dw
+    // Column 0 of A, the low halves of lanes 0, 4, .., 28's a0 and a1: bfloat16 1.0 (0x3f80).
+    const uint32_t column_0 = lane % 4 == 0 ? 0xffffu : 0u;
+    // dpre of a block from its words, a its x fragment; moves the carry to its last words.
+    const auto deltas = [&](const Words& in, Delta& out) {
+      const int from = (lane + kLanes - 4) % kLanes;
+      const uint32_t u0 = __shfl_sync(kFullWarp, in.x[0], from);
+      const uint32_t u1 = __shfl_sync(kFullWarp, in.x[1], from);
+      a[0] = ((lane >= 4 ? u0 : carry) & ~column_0) | (0x3f80u & column_0);
+      a[1] = ((lane < 4 ? u0 : u1) & ~column_0) | (0x3f80u & column_0);
+      a[2] = in.x[0];
+      a[3] = in.x[1];
+      carry = u1;
+      float z[4] = {};
+      mma_bf16_16816(z, a, pre_hi);
+      mma_bf16_16816(z, a, pre_lo);
+      for (int h = 0; h < 2; ++h) {
+        const float low = activation_vjp(__uint_as_float(in.dy[h] << 16), z[2 * h], silu);
+        const float high =
+            activation_vjp(__uint_as_float(in.dy[h] & 0xffff0000u), z[2 * h + 1], silu);
+        split_pair(low, high, out.hi[h], out.lo[h]);
+      }
+    };
+    // The block's terms of dw and db (from deltas' a).
+    const auto accumulate = [&](const Delta& d) {
+      const uint32_t at[4] = {transpose_8x8(a[0]), transpose_8x8(a[2]), transpose_8x8(a[1]),
+                              transpose_8x8(a[3])};
+      const uint32_t hi[2] = {transpose_8x8(d.hi[0]), transpose_8x8(d.hi[1])};
+      const uint32_t lo[2] = {transpose_8x8(d.lo[0]), transpose_8x8(d.lo[1])};
+      mma_bf16_16816(dw, at, hi);
+      mma_bf16_16816(dw, at, lo);
+    };
+    // dx of a block from its dpre and the next block's: the lane's words from `to`, those from
+    // offset `row_left` on past the row.
+    const auto input_grads = [&](uint32_t* to, int row_left, const Delta& current,
+                                 const Delta& next) {
+      const int from = (lane + 4) % kLanes;
+      const bool own = lane < kLanes - 4;
+      const auto fragment = [&](const uint32_t (&words)[2], const uint32_t (&after)[2],
+                                uint32_t (&out)[4]) {
+        const uint32_t s0 = __shfl_sync(kFullWarp, words[0], from);
+        const uint32_t s1 = __shfl_sync(kFullWarp, words[1], from);
+        const uint32_t n0 = __shfl_sync(kFullWarp, after[0], from);
+        out[0] = words[0];
+        out[1] = words[1];
+        out[2] = own ? s0 : s1;
+        out[3] = own ? s1 : n0;
+      };
+      uint32_t hi[4], lo[4];
+      fragment(current.hi, next.hi, hi);
+      fragment(current.lo, next.lo, lo);
+      float g[4] = {};
+      mma_bf16_16816(g, hi, dx_hi);
+      mma_bf16_16816(g, hi, dx_lo);
+      mma_bf16_16816(g, lo, dx_hi);
+      for (int h = 0; h < 2; ++h) {
+        if (32 * h < row_left) __stcs(to + 32 * h, bf16_pair(g[2 * h], g[2 * h + 1]));
+      }
+    };
+    const int blocks = static_cast<int>((item.c1 - item.c0 + kMmaBlock - 1) / kMmaBlock);
+    Words in;
+    Delta delta_a, delta_b;  // block n's dpre in delta_a
+    take(0, in, std::true_type{});
+    deltas(in, delta_a);
+    accumulate(delta_a);
+    int n = 0;
+    // Pairs of blocks whose deltas up to n + 2 are the item's own and whose words up to block
+    // n + 2 are all loaded: no checks, the deltas renamed instead of moved (a block a pass took
+    // 202 SASS instructions at K = 8, of which about 90 the checks, 64-bit offsets and moves).
+    uint32_t* dx_at = dx + item.c0 / 2;
+    const int full_blocks = static_cast<int>((loaded_end - item.c0) / kMmaBlock);
+    const int pairs_end = std::min(blocks, full_blocks) - 2;
+    // The lane's words from dx_at on before the row's end, counted down through the pairs (kept
+    // from the start, the 64-bit ends cost 24 bytes of spills at 80 registers).
+    int stores_left = words_left(lane_words);
+    for (; n < pairs_end; n += 2) {
+      take(n + 1, in, std::false_type{});
+      deltas(in, delta_b);
+      accumulate(delta_b);
+      input_grads(dx_at, kWords, delta_a, delta_b);
+      take(n + 2, in, std::false_type{});
+      deltas(in, delta_a);
+      accumulate(delta_a);
+      input_grads(dx_at + kWords, kWords, delta_b, delta_a);
+      dx_at += 2 * kWords;
+      stores_left -= 2 * kWords;
+    }
+    // The last blocks (at most 4): stores checked against the row's end, in ints from the lane
+    // pointer (with 64-bit offsets a block took 184 SASS instructions at K = 8).
+    for (; n < blocks; ++n) {
+      take(n + 1, in, std::true_type{});
+      deltas(in, delta_b);
+      if (n + 1 < blocks) accumulate(delta_b);  // a block past c1 is the next item's
+      input_grads(dx_at, stores_left, delta_a, delta_b);
+      delta_a = delta_b;
+      dx_at += kWords;
+      stores_left -= kWords;
+    }
+    // The sums through slot 0 (no copies in flight: the blocks past the last taken are past
+    // loaded_end), as the 16 x 8 entries (k, n), lane l's (g, 2q), (g, 2q + 1), (g + 8, 2q),
+    // (g + 8, 2q + 1); lane k < K sums the 8 of lag P - k (k' = n + 8 - lag), lane K those of row
+    // 0. With selects of each entry for each tap and warp_sum_scatter, about 170 instructions.
+    __syncwarp();  // every lane's reads of slot 0 precede these writes
+    uint32_t* const entries = slots[0];
+    const int g = lane >> 2, q = lane & 3;
+    for (int i = 0; i < 4; ++i) {
+      entries[8 * (g + 8 * (i >> 1)) + 2 * q + (i & 1)] = __float_as_uint(dw[i]);
+    }
+    __syncwarp();
+    if (lane <= K) {
+      float sum = 0.0f;
+      for (int n = 0; n < 8; ++n) {
+        const int k = lane == K ? 0 : n + 8 - (P - lane);
+        sum += __uint_as_float(entries[8 * k + n]);
+      }
+      sums_at[lane] = sum;
+    }
+  };
+  with_bool_constant(p.silu, [&](auto silu) {
+    for_each_channel_first_item<kPack<T>, P, false, ItemKept::kNothing, kLanes>(
+        p, split, P, [&](const ChannelFirstItem& item, UniformSegments) { run(item, silu); });
   });
 }
 

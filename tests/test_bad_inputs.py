@@ -559,18 +559,22 @@ def as_dtype(tree, dtype):
 @pytest.mark.parametrize("activation", [None, "silu"])
 @pytest.mark.parametrize("where", ["data", "parameters"])
 @pytest.mark.parametrize("length", [24, 200])
-def test_nonfinite_propagates_like_reference(length, where, activation, layout, dev):
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
+def test_nonfinite_propagates_like_reference(packed, length, where, activation, layout, dev):
     """NaN/Inf in x, the initial state and both cotangents (data), or in weight and bias
-    (parameters), with packed segments and padding: the same non-finite positions everywhere.
-    Rows of 200 times reach the GPU's segment kernels (more than 32 packs), rows of 24 the
-    short-row ones; their activation derivatives are written differently."""
+    (parameters), with packed segments and padding or without seq_idx: the same non-finite
+    positions everywhere. Rows of 200 times reach the GPU's segment kernels (more than 32 packs),
+    rows of 24 the short-row ones; their activation derivatives are written differently. Plain
+    float32 BLD rows reach the channel-last backward's edge steps, whose activations and dx taps
+    are selected without branches."""
+    # Plain seeds from 128: with those from 16 one case sprinkled no parameter.
     rng = np.random.default_rng(["data", "parameters"].index(where) * 4 + (activation is None) * 2
-                                + (layout == "BDL") + 8 * (length != 24))
+                                + (layout == "BDL") + 8 * (length != 24) + 128 * (not packed))
     B, L, D, K = 3, length, 4, 4
     args, (dy, dF) = conv_args(rng, B, L, D, K, layout, jnp.float64)
     first, padding = 3 * L // 8, L // 6
     seq_idx = jnp.asarray([[0] * first + [1] * (L - first - padding) + [-1] * padding, [5] * L,
-                           [-1] * 3 + [2] * (L - 3)], jnp.int32)
+                           [-1] * 3 + [2] * (L - 3)], jnp.int32) if packed else None
     if where == "data":
         args["x"] = sprinkle(rng, args["x"], 0.03)
         args["initial_state"] = sprinkle(rng, args["initial_state"])

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from conftest import DEVICES, GPU, assert_close, device, make_inputs, to_f64
-from test_backward import GRAD_NAMES, compare, inputs, packed_seq_idx
+from test_backward import GRAD_NAMES, compare, inputs, kernel_vjp, packed_seq_idx
 from test_forward import run_and_compare
 
 import jax_causal_conv as jcc
@@ -460,6 +460,69 @@ def test_channel_first_half_segments(dev, dtype, width, channels):
     args, _ = inputs(rng, dtype, batch=6, length=cf_row_length(dtype), channels=channels,
                      width=width, layout="BDL", state=True)
     compare(dev, rng, args, None, dtype, activation="silu", layout="BDL", final="random")
+
+
+# The bfloat16 channel-first backward at K = 7 and 8 without seq_idx or states runs on tensor
+# cores (backward_channel_first_mma_kernel: a warp per channel, blocks of 128 times): rows whose
+# last block is partial (264, 1000), whole blocks (2048), rows cut into chunks (few rows: each
+# chunk's last dx needs the next chunk's first deltas, its dw/db not), whole rows (4096), float
+# and bfloat16 weights (split into high and low parts, or exact). Lengths 1, 7 and 130 take
+# other kernels (not multiples of 8, or short rows), and with an initial state or the final
+# state's cotangent the scalar kernel runs: both checked against it here.
+@pytest.mark.parametrize("case", [
+    dict(activation="silu", bias=True, state=False, final="none"),
+    dict(activation=None, bias=True, state=False, final="none"),
+    dict(activation="silu", bias=False, state=False, final="none"),
+    dict(activation="silu", bias=True, state=False, final="none", params_like_x=True),
+    dict(activation="silu", bias=True, state=True, final="random"),
+    dict(activation=None, bias=False, state=False, final="random"),
+], ids=["silu", "identity", "no_bias", "bf16_params", "state", "final"])
+@pytest.mark.parametrize("length", [1, 7, 130, 264, 1000, 2048])
+@pytest.mark.parametrize("width", [7, 8])
+@pytest.mark.parametrize("dev", GPU)
+def test_channel_first_tensor_cores(dev, width, length, case):
+    rng = np.random.default_rng(10 * length + width)
+    for batch, channels in [(1, 3), (3, 130)] + ([(4, 1024)] if length == 2048 else []):
+        args, _ = inputs(rng, jnp.bfloat16, batch=batch, length=length, channels=channels,
+                         width=width, layout="BDL", bias=case["bias"], state=case["state"])
+        if case.get("params_like_x"):
+            args["weight"] = args["weight"].astype(jnp.bfloat16)
+            args["bias"] = args["bias"].astype(jnp.bfloat16)
+        compare(dev, rng, args, None, jnp.bfloat16, activation=case["activation"], layout="BDL",
+                final=case["final"])
+
+
+# Rows of 9 blocks, whole items where the device holds 3168 warps of the kernel (an H200; the
+# cases above cut their few rows into items of 1 to 8 blocks): the copies of a warp's ring of 8
+# blocks wrap, the partial last block landing in the slot of the row's first and the block past
+# the row (read as zeros) in that of its second.
+@pytest.mark.parametrize("width", [7, 8])
+@pytest.mark.parametrize("dev", GPU)
+def test_channel_first_tensor_cores_ring_wrap(dev, width):
+    rng = np.random.default_rng(13)
+    args, _ = inputs(rng, jnp.bfloat16, batch=2, length=1032, channels=4096, width=width,
+                     layout="BDL", bias=True, state=False)
+    compare(dev, rng, args, None, jnp.bfloat16, activation="silu", layout="BDL", final="none")
+
+
+# The tensor-core backward's dw/db sums: each warp's in a fixed order, then the reduction's.
+@pytest.mark.parametrize("width", [7, 8])
+@pytest.mark.parametrize("dev", GPU)
+def test_channel_first_tensor_cores_deterministic(dev, width):
+    rng = np.random.default_rng(12)
+    args, _ = inputs(rng, jnp.bfloat16, batch=2, length=2048, channels=96, width=width,
+                     layout="BDL", state=False)
+    kw = dict(activation="silu", layout="BDL", return_final_state=False)
+    on = partial(jax.device_put, device=device(dev))
+    cotangent = on(jnp.asarray(rng.standard_normal((2, 96, 2048)), jnp.bfloat16))
+    args = on(args)
+    runs = [kernel_vjp(args, None, cotangent, **kw)[1] for _ in range(20)]
+    for name in GRAD_NAMES:
+        if runs[0][name] is None:
+            continue
+        first = np.asarray(runs[0][name])
+        for i, again in enumerate(runs[1:]):
+            assert np.array_equal(np.asarray(again[name]), first), f"d{name} differs in run {i + 2}"
 
 
 # The masked channel-first backward's states where a row's first or last K - 1 times hold a
