@@ -238,13 +238,13 @@ PartialSlices launch_vector_backward(cudaStream_t stream, const ConvParams& p, f
   if constexpr (std::is_same_v<T, __nv_bfloat16> && !kMasked && (K == 7 || K == 8)) {
     // The tensor-core kernel leaves the states to the scalar one (its first and last blocks
     // would need their taps).
-    if (p.initial_state == nullptr && p.dinitial_state == nullptr && p.dfinal_state == nullptr) {
-      constexpr auto kernel = backward_channel_first_mma_kernel<K>;
-      const int64_t rows = p.batch * p.channels;
-      const int64_t chunk_len =
-          channel_first_chunk(rows, p.length, kMmaBlock,
-                              resident_threads<kernel>(kChannelFirstThreads) / kLanes,
-                              kUnlimitedSegments);
+    constexpr auto kernel = backward_channel_first_mma_kernel<K>;
+    const int64_t rows = p.batch * p.channels;
+    const int64_t chunk_len = channel_first_chunk(
+        rows, p.length, kMmaBlock, resident_threads<kernel>(kChannelFirstThreads) / kLanes,
+        kUnlimitedSegments);
+    if (p.initial_state == nullptr && p.dinitial_state == nullptr && p.dfinal_state == nullptr &&
+        chunk_len >= kMmaMinItemBlocks * kMmaBlock) {
       const ChannelFirstSplit split(p, chunk_len, 1);
       kernel<<<grid_for_warps(rows * split.chunks.d), kChannelFirstThreads, 0, stream>>>(
           p, partials, split);

@@ -815,6 +815,14 @@ constexpr int64_t kMaxWordsLeft = int64_t{1} << 30;
 // dy, so the warp waits on its lanes' copies with a __syncwarp; the waits, reads and copies cost
 // a pair of blocks 193 -> 223 SASS instructions at K = 8 (predicted: memory-bound all the same).
 constexpr int kMmaRing = 8;
+// The fewest blocks in a tensor-core item: with fewer, filling and draining the ring costs more
+// than the MMAs save. H200, B=8 BDL bf16 K = 8 bwd, tensor cores against the scalar kernel
+// (twenty-eighth session; items of channel_first_chunk's blocks): L=2048 D=256 (6 blocks) 13.2
+// -> 15.4 us, D=512 (8) 22.3 -> 24.1, L=512 D=4096 (4) 53.4 -> 54.6 and L=1024 D=4096 (8) 82.5
+// -> 78.9; in items of 16 or more D=1024 39.4 -> 36.9, D=2048 72.9 -> 65.6, D=4096 142.0 ->
+// 129.1, D=8192 272.8 -> 245.5, B=2 L=16384 D=1024 70.2 -> 60.6, B=1 L=65536 D=4096 509.3 ->
+// 415.8 (K = 7: 8 blocks at L=512 49.1 -> 54.3, 16 at D=1024 36.5 -> 36.7, D=4096 129.8 -> 127.9).
+constexpr int64_t kMmaMinItemBlocks = 16;
 
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4],
                                                const uint32_t (&b)[2]) {

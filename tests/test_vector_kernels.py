@@ -462,13 +462,11 @@ def test_channel_first_half_segments(dev, dtype, width, channels):
     compare(dev, rng, args, None, dtype, activation="silu", layout="BDL", final="random")
 
 
-# The bfloat16 channel-first backward at K = 7 and 8 without seq_idx or states runs on tensor
-# cores (backward_channel_first_mma_kernel: a warp per channel, blocks of 128 times): rows whose
-# last block is partial (264, 1000), whole blocks (2048), rows cut into chunks (few rows: each
-# chunk's last dx needs the next chunk's first deltas, its dw/db not), whole rows (4096), float
-# and bfloat16 weights (split into high and low parts, or exact). Lengths 1, 7 and 130 take
-# other kernels (not multiples of 8, or short rows), and with an initial state or the final
-# state's cotangent the scalar kernel runs: both checked against it here.
+# The bfloat16 channel-first backward at K = 7 and 8 in few or short rows: items of fewer than
+# kMmaMinItemBlocks blocks of 128 times, which the scalar kernel takes (rows whose last pack is
+# partial, whole packs, rows cut into chunks), lengths 1, 7 and 130 other kernels (not multiples
+# of 8, or short rows); with an initial state or the final state's cotangent the scalar kernel
+# runs whatever the rows. The tensor-core side of that choice is tested below.
 @pytest.mark.parametrize("case", [
     dict(activation="silu", bias=True, state=False, final="none"),
     dict(activation=None, bias=True, state=False, final="none"),
@@ -480,29 +478,44 @@ def test_channel_first_half_segments(dev, dtype, width, channels):
 @pytest.mark.parametrize("length", [1, 7, 130, 264, 1000, 2048])
 @pytest.mark.parametrize("width", [7, 8])
 @pytest.mark.parametrize("dev", GPU)
-def test_channel_first_tensor_cores(dev, width, length, case):
+def test_channel_first_bf16_wide_small_items(dev, width, length, case):
     rng = np.random.default_rng(10 * length + width)
-    for batch, channels in [(1, 3), (3, 130)] + ([(4, 1024)] if length == 2048 else []):
-        args, _ = inputs(rng, jnp.bfloat16, batch=batch, length=length, channels=channels,
-                         width=width, layout="BDL", bias=case["bias"], state=case["state"])
-        if case.get("params_like_x"):
-            args["weight"] = args["weight"].astype(jnp.bfloat16)
-            args["bias"] = args["bias"].astype(jnp.bfloat16)
-        compare(dev, rng, args, None, jnp.bfloat16, activation=case["activation"], layout="BDL",
-                final=case["final"])
+    for batch, channels in [(1, 3), (3, 130)]:
+        compare_case(dev, rng, case, batch=batch, length=length, channels=channels, width=width)
 
 
-# Rows of 9 blocks, whole items where the device holds 3168 warps of the kernel (an H200; the
-# cases above cut their few rows into items of 1 to 8 blocks): the copies of a warp's ring of 8
-# blocks wrap, the partial last block landing in the slot of the row's first and the block past
-# the row (read as zeros) in that of its second.
+def compare_case(dev, rng, case, **shape):
+    args, _ = inputs(rng, jnp.bfloat16, layout="BDL", bias=case["bias"], state=case["state"],
+                     **shape)
+    if case.get("params_like_x"):
+        args["weight"] = args["weight"].astype(jnp.bfloat16)
+        args["bias"] = args["bias"].astype(jnp.bfloat16)
+    compare(dev, rng, args, None, jnp.bfloat16, activation=case["activation"], layout="BDL",
+            final=case["final"])
+
+
+# The bfloat16 channel-first backward at K = 7 and 8 without seq_idx or states, in items of at
+# least kMmaMinItemBlocks blocks of 128 times, runs on tensor cores
+# (backward_channel_first_mma_kernel: a warp per channel item). The shapes are items on a device
+# that holds 3168 warps of the kernel (an H200; elsewhere channel_first_chunk may cut them
+# otherwise): whole rows of 17 blocks, the last partial, whose copies wrap the warp's ring of 8
+# blocks (the partial block lands in the slot of the row's first, the block past the row, read as
+# zeros, in that of its second); and rows cut into items of 22, 22 and 20 blocks (each item's last
+# dx needs the next item's first deltas, its dw/db not). Float and bfloat16 weights: split into
+# high and low parts, or exact.
+@pytest.mark.parametrize("case", [
+    dict(activation="silu", bias=True, state=False, final="none"),
+    dict(activation=None, bias=True, state=False, final="none"),
+    dict(activation="silu", bias=False, state=False, final="none"),
+    dict(activation="silu", bias=True, state=False, final="none", params_like_x=True),
+], ids=["silu", "identity", "no_bias", "bf16_params"])
+@pytest.mark.parametrize("shape", [(8, 2056, 1024), (2, 8192, 2048)], ids=["wrap", "cut"])
 @pytest.mark.parametrize("width", [7, 8])
 @pytest.mark.parametrize("dev", GPU)
-def test_channel_first_tensor_cores_ring_wrap(dev, width):
-    rng = np.random.default_rng(13)
-    args, _ = inputs(rng, jnp.bfloat16, batch=2, length=1032, channels=4096, width=width,
-                     layout="BDL", bias=True, state=False)
-    compare(dev, rng, args, None, jnp.bfloat16, activation="silu", layout="BDL", final="none")
+def test_channel_first_tensor_cores(dev, width, shape, case):
+    batch, length, channels = shape
+    rng = np.random.default_rng(10 * length + width)
+    compare_case(dev, rng, case, batch=batch, length=length, channels=channels, width=width)
 
 
 # The tensor-core backward's dw/db sums: each warp's in a fixed order, then the reduction's.
@@ -510,11 +523,12 @@ def test_channel_first_tensor_cores_ring_wrap(dev, width):
 @pytest.mark.parametrize("dev", GPU)
 def test_channel_first_tensor_cores_deterministic(dev, width):
     rng = np.random.default_rng(12)
-    args, _ = inputs(rng, jnp.bfloat16, batch=2, length=2048, channels=96, width=width,
-                     layout="BDL", state=False)
+    shape = (8, 1024, 2048)
+    args, _ = inputs(rng, jnp.bfloat16, batch=shape[0], length=shape[2], channels=shape[1],
+                     width=width, layout="BDL", state=False)
     kw = dict(activation="silu", layout="BDL", return_final_state=False)
     on = partial(jax.device_put, device=device(dev))
-    cotangent = on(jnp.asarray(rng.standard_normal((2, 96, 2048)), jnp.bfloat16))
+    cotangent = on(jnp.asarray(rng.standard_normal(shape), jnp.bfloat16))
     args = on(args)
     runs = [kernel_vjp(args, None, cotangent, **kw)[1] for _ in range(20)]
     for name in GRAD_NAMES:
