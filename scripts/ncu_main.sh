@@ -5,6 +5,8 @@
 # DIR/ncu_BDL.csv; then each kernel's time and grid, one line per launch.
 #   scripts/ncu_main.sh DIR
 #   SHAPE=8,2048,256 scripts/ncu_main.sh DIR
+#   WIDTH=8 LAYOUTS=BDL scripts/ncu_main.sh DIR  # K = 8 (bf16 K = 7-8 channel-first: the
+#                                                # tensor-core backward in long rows)
 #   LAYOUTS=BDL STALLS=1 scripts/ncu_main.sh DIR
 #   UPDATE=1 STALLS=1 scripts/ncu_main.sh DIR   # the decode step (B=256 D=8192 unless SHAPE)
 #   FEATURES=1 LAYOUTS=BDL scripts/ncu_main.sh DIR  # with seq_idx (4 packed sequences a row) and
@@ -46,8 +48,8 @@ fi
 for layout in ${LAYOUTS:-BLD BDL}; do
   csv="$out/ncu_$layout.csv"
   ncu --clock-control none --kernel-name regex:"$kernels" --metrics "$metrics" --csv \
-    python3 benchmarks/profile_kernels.py "${mode[@]}" --layout "$layout" --shape "$shape" >"$csv" 2>"$out/ncu_$layout.log"
-  echo "ncu $layout $shape: exit $? ($(grep -c '^"' "$csv") rows)"
+    python3 benchmarks/profile_kernels.py "${mode[@]}" --layout "$layout" --shape "$shape" --width "${WIDTH:-4}" >"$csv" 2>"$out/ncu_$layout.log"
+  echo "ncu $layout $shape K=${WIDTH:-4}: exit $? ($(grep -c '^"' "$csv") rows)"
   python3 - "$csv" <<'PY'
 import csv, re, sys
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
