@@ -156,6 +156,28 @@ def test_consistency_note_flags_a_disturbed_median():
     assert bench.consistency_note(partial) == ""
 
 
+def test_copy_outlier_notes_name_the_disturbed_case():
+    bench = load_bench()
+    T = bench.Timing
+    main = dict(B=8, L=2048, D=4096, K=4)
+    # the twenty-seventh session's features run: one case's copy 81.4 us, the others' about 68
+    copies = {bench.Case(layout="BLD", features=True, **main): (81.4, 97.5),
+              bench.Case(layout="BLD", **main): (68.2, 97.1),
+              bench.Case(layout="BDL", features=True, **main): (67.8, 97.3),
+              bench.Case(layout="BDL", **main): (67.9, 113.0)}
+    prefill = {case: {("copy", "fwd"): T(queue_us=f), ("copy", "bwd"): T(queue_us=b)}
+               for case, (f, b) in copies.items()}
+    notes = bench.copy_outlier_notes(prefill, "queue")
+    assert len(notes) == 2
+    assert notes[0].startswith("bf16 B8 L2048 D4096 K4 BLD +seq_idx+states: the copy's fwd took 81.4")
+    assert notes[1].startswith("bf16 B8 L2048 D4096 K4 BDL: the copy's bwd took 113.0")
+    # fewer than three cases of the same bytes, or small (host-bound) copies: nothing to compare
+    assert bench.copy_outlier_notes(dict(list(prefill.items())[:2]), "queue") == []
+    small = {bench.Case(B=1, L=128, D=256, K=k): {("copy", "fwd"): T(queue_us=5.0 * k)}
+             for k in (2, 3, 4)}
+    assert bench.copy_outlier_notes(small, "queue") == []
+
+
 def test_profile_trace_parsing(tmp_path):
     """profile_kernels.py --trace counts the kernels on the GPU's stream rows only."""
     profile = load_script("profile_kernels")
