@@ -878,7 +878,8 @@ __device__ __forceinline__ void tap_fragment(const float* by_lag, int lane, cons
 // (B, D, L) bfloat16 without seq_idx or states, L a multiple of 8 and longer than the short
 // rows': a warp takes one channel's times [c0, c1) (c0 a multiple of kMmaBlock) in blocks of
 // kMmaBlock, and the first block after them for the dx of its last times. dw/db sums go to
-// partials[b, chunk, d, 0..K] as the scalar kernel's do, in a fixed order.
+// partials[b, chunk, d, 0..K] as the scalar kernel's do, in a fixed order. Correct for items of
+// any length; launched for those of kMmaMinItemBlocks blocks or more.
 template <int K>
 __global__ void __launch_bounds__(kChannelFirstThreads, 6)
     backward_channel_first_mma_kernel(ConvParams p, float* partials, ChannelFirstSplit split) {
