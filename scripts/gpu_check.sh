@@ -80,7 +80,11 @@ if step tests; then
       progress=$(grep -E "^[.sFEx]+( +\[ *[0-9]+%\])?$" "$log" | tr -cd '.sFEx')
       result="STOPPED after $PYTEST_TIMEOUT s: $(count .) passed, $(count F) failed, $(count E) errors, $(count s) skipped so far"
     fi
-    summary+=("pytest -m gpu $PYTEST_ARGS (shard $job/$PYTEST_JOBS): $result")
+    # A list of test ids as PYTEST_ARGS (a rerun of what a stopped run left) would fill the
+    # summary: its first 100 characters name it.
+    args_shown=${PYTEST_ARGS:0:100}
+    [[ ${#PYTEST_ARGS} -gt 100 ]] && args_shown+="... ($(wc -w <<<"$PYTEST_ARGS") arguments)"
+    summary+=("pytest -m gpu $args_shown (shard $job/$PYTEST_JOBS): $result")
     grep -E "^(FAILED|ERROR)" "$log" | head -20
   done
 fi
