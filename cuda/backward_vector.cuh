@@ -875,6 +875,145 @@ __device__ __forceinline__ void tap_fragment(const float* by_lag, int lane, cons
   }
 }
 
+// A params row's entries of a warp's table of taps by lag (see tap_fragment): lane l < kLags's
+// tap of lag l + kMinLag (weight P - lag, 0 outside the taps), and the row's bias (0 without
+// one). like_x: with_param_type's constant, chosen by the caller around all its rows. Each lane
+// loads a weight and a bias whether it keeps them or not, with no branch, so that both loads
+// issue together (in branches, a lane's tap then the bias, the second waited on the first).
+struct MmaTapRow {
+  float tap, bias;
+};
+
+template <int K, typename LikeX>
+__device__ __forceinline__ MmaTapRow mma_tap_row(const ConvParams& p, int64_t row, int lane,
+                                                 LikeX like_x) {
+  using Param = std::conditional_t<LikeX::value, __nv_bfloat16, float>;
+  constexpr int P = K - 1;
+  const int lag = lane + kMinLag;
+  const bool kept = lag >= 0 && lag <= P;
+  const Param* const weights = static_cast<const Param*>(p.weight) + row * K;
+  const Param* const bias = p.bias ? static_cast<const Param*>(p.bias) + row : weights;
+  const float tap = to_acc<float>(weights[kept ? P - lag : 0]);
+  const float bias_value = to_acc<float>(*bias);
+  return {kept ? tap : 0.0f, p.bias ? bias_value : 0.0f};
+}
+
+// One channel's taps as B fragments, split into high and low parts: the pre-activations' (lag
+// n + 8 - k, row 0 the bias) and dx's (lag k - n).
+struct MmaTaps {
+  uint32_t pre_hi[2], pre_lo[2], dx_hi[2], dx_lo[2];
+};
+
+// A channel's MmaTaps from its table (mma_tap_row's taps, once every lane's write has landed).
+__device__ __forceinline__ MmaTaps mma_taps(const float* by_lag, float bias, int lane) {
+  MmaTaps taps;
+  tap_fragment(by_lag, lane, [](int k, int n) { return n + 8 - k; }, taps.pre_hi, taps.pre_lo,
+               &bias);
+  tap_fragment(by_lag, lane, [](int k, int n) { return k - n; }, taps.dx_hi, taps.dx_lo);
+  return taps;
+}
+
+// A block's x and dy of one channel as lane l holds them: words l and l + 32 (times 2l, 2l + 1
+// and 64 + 2l, 65 + 2l of the block, bf16 pairs).
+struct MmaWords {
+  uint32_t x[2], dy[2];
+};
+
+// A block's dpre of one channel in D's layout (the times of MmaWords), as bf16 pairs split into
+// high and low parts.
+struct MmaDelta {
+  uint32_t hi[2], lo[2];
+};
+
+// dpre of a block of one channel from its words, and a, its x fragment (for mma_accumulate).
+// carry: in lanes 0-3, x words 60-63 of the block before (0 before the row), replaced by this
+// block's. Every lane must call it (it shuffles).
+template <typename Silu>
+__device__ __forceinline__ void mma_deltas(const MmaWords& in, const MmaTaps& taps, int lane,
+                                           Silu silu, uint32_t& carry, uint32_t (&a)[4],
+                                           MmaDelta& out) {
+  // Column 0 of A, the low halves of lanes 0, 4, .., 28's a0 and a1: bfloat16 1.0 (0x3f80).
+  const uint32_t column_0 = lane % 4 == 0 ? 0xffffu : 0u;
+  const int from = (lane + kLanes - 4) % kLanes;
+  const uint32_t u0 = __shfl_sync(kFullWarp, in.x[0], from);
+  const uint32_t u1 = __shfl_sync(kFullWarp, in.x[1], from);
+  a[0] = ((lane >= 4 ? u0 : carry) & ~column_0) | (0x3f80u & column_0);
+  a[1] = ((lane < 4 ? u0 : u1) & ~column_0) | (0x3f80u & column_0);
+  a[2] = in.x[0];
+  a[3] = in.x[1];
+  carry = u1;
+  float z[4] = {};
+  mma_bf16_16816(z, a, taps.pre_hi);
+  mma_bf16_16816(z, a, taps.pre_lo);
+  for (int h = 0; h < 2; ++h) {
+    const float low = activation_vjp(__uint_as_float(in.dy[h] << 16), z[2 * h], silu);
+    const float high =
+        activation_vjp(__uint_as_float(in.dy[h] & 0xffff0000u), z[2 * h + 1], silu);
+    split_pair(low, high, out.hi[h], out.lo[h]);
+  }
+}
+
+// Adds a block's terms of dw and db (from mma_deltas' a and dpre) to the lane's fragment of the
+// accumulator: entry (k, n) of lag n + 8 - k; k = 0, of db.
+__device__ __forceinline__ void mma_accumulate(const uint32_t (&a)[4], const MmaDelta& d,
+                                               float (&dw)[4]) {
+  const uint32_t at[4] = {transpose_8x8(a[0]), transpose_8x8(a[2]), transpose_8x8(a[1]),
+                          transpose_8x8(a[3])};
+  const uint32_t hi[2] = {transpose_8x8(d.hi[0]), transpose_8x8(d.hi[1])};
+  const uint32_t lo[2] = {transpose_8x8(d.lo[0]), transpose_8x8(d.lo[1])};
+  mma_bf16_16816(dw, at, hi);
+  mma_bf16_16816(dw, at, lo);
+}
+
+// dx of a block of one channel, in D's layout (the times of MmaWords), from its dpre and the next
+// block's. Every lane must call it (it shuffles).
+__device__ __forceinline__ void mma_input_grads(const MmaDelta& current, const MmaDelta& next,
+                                                const MmaTaps& taps, int lane, float (&g)[4]) {
+  const int from = (lane + 4) % kLanes;
+  const bool own = lane < kLanes - 4;
+  const auto fragment = [&](const uint32_t (&words)[2], const uint32_t (&after)[2],
+                            uint32_t (&out)[4]) {
+    const uint32_t s0 = __shfl_sync(kFullWarp, words[0], from);
+    const uint32_t s1 = __shfl_sync(kFullWarp, words[1], from);
+    const uint32_t n0 = __shfl_sync(kFullWarp, after[0], from);
+    out[0] = words[0];
+    out[1] = words[1];
+    out[2] = own ? s0 : s1;
+    out[3] = own ? s1 : n0;
+  };
+  uint32_t hi[4], lo[4];
+  fragment(current.hi, next.hi, hi);
+  fragment(current.lo, next.lo, lo);
+  for (int i = 0; i < 4; ++i) g[i] = 0.0f;
+  mma_bf16_16816(g, hi, taps.dx_hi);
+  mma_bf16_16816(g, hi, taps.dx_lo);
+  mma_bf16_16816(g, lo, taps.dx_hi);
+}
+
+// The lane's accumulator fragment as entries[8 k + n] = entry (k, n): lane l's (g, 2q),
+// (g, 2q + 1), (g + 8, 2q), (g + 8, 2q + 1).
+__device__ __forceinline__ void mma_store_entries(const float (&dw)[4], uint32_t* entries,
+                                                  int lane) {
+  const int g = lane >> 2, q = lane & 3;
+  for (int i = 0; i < 4; ++i) {
+    entries[8 * (g + 8 * (i >> 1)) + 2 * q + (i & 1)] = __float_as_uint(dw[i]);
+  }
+}
+
+// Sum k of an item's dw/db partials from its entries (mma_store_entries), in a fixed order: for
+// k < K the 8 entries of lag P - k (row n + 8 - lag of column n), for k = K those of row 0 (db).
+// (Selecting each entry for each tap and summing by warp_sum_scatter took about 170 instructions.)
+template <int K>
+__device__ __forceinline__ float mma_entry_sum(const uint32_t* entries, int k) {
+  constexpr int P = K - 1;
+  float sum = 0.0f;
+  for (int n = 0; n < 8; ++n) {
+    const int row = k == K ? 0 : n + 8 - (P - k);
+    sum += __uint_as_float(entries[8 * row + n]);
+  }
+  return sum;
+}
+
 // (B, D, L) bfloat16 without seq_idx or states, L a multiple of 8 and longer than the short
 // rows': a warp takes one channel's times [c0, c1) (c0 a multiple of kMmaBlock) in blocks of
 // kMmaBlock, and the first block after them for the dx of its last times. dw/db sums go to
@@ -891,14 +1030,6 @@ __global__ void __launch_bounds__(kChannelFirstThreads, 6)
   static_assert(K <= 8, "column 0 of A is free");
   const int lane = threadIdx.x % kLanes;
   allow_dependent_grid();  // the reduction's blocks may wait on the SMs (see launch_dependent)
-  // A block's words as lane l reads them from the ring: words l and l + 32 of x and dy.
-  struct Words {
-    uint32_t x[2], dy[2];
-  };
-  // A block's dpre in D's layout (times 2l, 2l + 1 and 64 + 2l, 64 + 2l + 1), as bf16 pairs.
-  struct Delta {
-    uint32_t hi[2], lo[2];
-  };
   // The warp's ring: kMmaRing slots of a block's x words, then its dy words.
   constexpr int kWords = kMmaBlock / 2;  // a block's words of one row
   constexpr int kWarps = kChannelFirstThreads / kLanes;
@@ -944,19 +1075,13 @@ __global__ void __launch_bounds__(kChannelFirstThreads, 6)
     // through them (with them, 80 registers spilled 8 bytes).
     float* const sums_at =
         partials + ((item.b * item.chunks + item.chunk) * p.channels + item.d) * (K + 1);
-    float w[K][1], bias[1];
-    load_param_row<T>(p, item.param_row, w, bias);
     float* const by_lag = taps_by_lag[warp];
-    if (lane < kLags) {
-      const int lag = lane + kMinLag;
-      float tap = 0.0f;
-      for (int j = 0; j < K; ++j) tap = lag == P - j ? w[j][0] : tap;
-      by_lag[lane] = tap;
-    }
+    const MmaTapRow tap_row = with_param_type<T, float>(p.params_like_x, [&](auto like_x) {
+      return mma_tap_row<K>(p, item.param_row, lane, like_x);
+    });
+    if (lane < kLags) by_lag[lane] = tap_row.tap;
     __syncwarp();
-    uint32_t pre_hi[2], pre_lo[2], dx_hi[2], dx_lo[2];
-    tap_fragment(by_lag, lane, [](int k, int n) { return n + 8 - k; }, pre_hi, pre_lo, &bias[0]);
-    tap_fragment(by_lag, lane, [](int k, int n) { return k - n; }, dx_hi, dx_lo);
+    const MmaTaps taps = mma_taps(by_lag, tap_row.bias, lane);
     // The lane's words of the row: of block `base`, words base / 2 + 32 h from these.
     const uint32_t* x = static_cast<const uint32_t*>(p.x) + row_at;
     uint32_t* dx = static_cast<uint32_t*>(p.dx) + row_at;
@@ -966,7 +1091,7 @@ __global__ void __launch_bounds__(kChannelFirstThreads, 6)
     // loads_left (past loaded_end: the slot holds older words) read as 0, so that a block past
     // the row has zero deltas.
     const int loads_left = words_left(lane_loaded);
-    const auto take = [&](int m, Words& out, auto checked) {
+    const auto take = [&](int m, MmaWords& out, auto checked) {
       ring_wait<kMmaRing - 2>();
       __syncwarp();
       const uint32_t* const slot = slots[m & (kMmaRing - 1)];
@@ -982,67 +1107,23 @@ __global__ void __launch_bounds__(kChannelFirstThreads, 6)
     uint32_t carry = item.c0 > 0 && lane < 4 ? __ldg(x + item.c0 / 2 - 4) : 0u;
     float dw[4] = {};  // entry (k, n): of lag n + 8 - k; k = 0, of db
     uint32_t a[4];     // the block's x fragment, for its dw
-    // Column 0 of A, the low halves of lanes 0, 4, .., 28's a0 and a1: bfloat16 1.0 (0x3f80).
-    const uint32_t column_0 = lane % 4 == 0 ? 0xffffu : 0u;
-    // dpre of a block from its words, a its x fragment; moves the carry to its last words.
-    const auto deltas = [&](const Words& in, Delta& out) {
-      const int from = (lane + kLanes - 4) % kLanes;
-      const uint32_t u0 = __shfl_sync(kFullWarp, in.x[0], from);
-      const uint32_t u1 = __shfl_sync(kFullWarp, in.x[1], from);
-      a[0] = ((lane >= 4 ? u0 : carry) & ~column_0) | (0x3f80u & column_0);
-      a[1] = ((lane < 4 ? u0 : u1) & ~column_0) | (0x3f80u & column_0);
-      a[2] = in.x[0];
-      a[3] = in.x[1];
-      carry = u1;
-      float z[4] = {};
-      mma_bf16_16816(z, a, pre_hi);
-      mma_bf16_16816(z, a, pre_lo);
-      for (int h = 0; h < 2; ++h) {
-        const float low = activation_vjp(__uint_as_float(in.dy[h] << 16), z[2 * h], silu);
-        const float high =
-            activation_vjp(__uint_as_float(in.dy[h] & 0xffff0000u), z[2 * h + 1], silu);
-        split_pair(low, high, out.hi[h], out.lo[h]);
-      }
+    const auto deltas = [&](const MmaWords& in, MmaDelta& out) {
+      mma_deltas(in, taps, lane, silu, carry, a, out);
     };
-    // The block's terms of dw and db (from deltas' a).
-    const auto accumulate = [&](const Delta& d) {
-      const uint32_t at[4] = {transpose_8x8(a[0]), transpose_8x8(a[2]), transpose_8x8(a[1]),
-                              transpose_8x8(a[3])};
-      const uint32_t hi[2] = {transpose_8x8(d.hi[0]), transpose_8x8(d.hi[1])};
-      const uint32_t lo[2] = {transpose_8x8(d.lo[0]), transpose_8x8(d.lo[1])};
-      mma_bf16_16816(dw, at, hi);
-      mma_bf16_16816(dw, at, lo);
-    };
+    const auto accumulate = [&](const MmaDelta& d) { mma_accumulate(a, d, dw); };
     // dx of a block from its dpre and the next block's: the lane's words from `to`, those from
     // offset `row_left` on past the row.
-    const auto input_grads = [&](uint32_t* to, int row_left, const Delta& current,
-                                 const Delta& next) {
-      const int from = (lane + 4) % kLanes;
-      const bool own = lane < kLanes - 4;
-      const auto fragment = [&](const uint32_t (&words)[2], const uint32_t (&after)[2],
-                                uint32_t (&out)[4]) {
-        const uint32_t s0 = __shfl_sync(kFullWarp, words[0], from);
-        const uint32_t s1 = __shfl_sync(kFullWarp, words[1], from);
-        const uint32_t n0 = __shfl_sync(kFullWarp, after[0], from);
-        out[0] = words[0];
-        out[1] = words[1];
-        out[2] = own ? s0 : s1;
-        out[3] = own ? s1 : n0;
-      };
-      uint32_t hi[4], lo[4];
-      fragment(current.hi, next.hi, hi);
-      fragment(current.lo, next.lo, lo);
-      float g[4] = {};
-      mma_bf16_16816(g, hi, dx_hi);
-      mma_bf16_16816(g, hi, dx_lo);
-      mma_bf16_16816(g, lo, dx_hi);
+    const auto input_grads = [&](uint32_t* to, int row_left, const MmaDelta& current,
+                                 const MmaDelta& next) {
+      float g[4];
+      mma_input_grads(current, next, taps, lane, g);
       for (int h = 0; h < 2; ++h) {
         if (32 * h < row_left) __stcs(to + 32 * h, bf16_pair(g[2 * h], g[2 * h + 1]));
       }
     };
     const int blocks = static_cast<int>((item.c1 - item.c0 + kMmaBlock - 1) / kMmaBlock);
-    Words in;
-    Delta delta_a, delta_b;  // block n's dpre in delta_a
+    MmaWords in;
+    MmaDelta delta_a, delta_b;  // block n's dpre in delta_a
     take(0, in, std::true_type{});
     deltas(in, delta_a);
     accumulate(delta_a);
@@ -1080,24 +1161,12 @@ __global__ void __launch_bounds__(kChannelFirstThreads, 6)
       stores_left -= kWords;
     }
     // The sums through slot 0 (no copies in flight: the blocks past the last taken are past
-    // loaded_end), as the 16 x 8 entries (k, n), lane l's (g, 2q), (g, 2q + 1), (g + 8, 2q),
-    // (g + 8, 2q + 1); lane k < K sums the 8 of lag P - k (k' = n + 8 - lag), lane K those of row
-    // 0. With selects of each entry for each tap and warp_sum_scatter, about 170 instructions.
+    // loaded_end).
     __syncwarp();  // every lane's reads of slot 0 precede these writes
     uint32_t* const entries = slots[0];
-    const int g = lane >> 2, q = lane & 3;
-    for (int i = 0; i < 4; ++i) {
-      entries[8 * (g + 8 * (i >> 1)) + 2 * q + (i & 1)] = __float_as_uint(dw[i]);
-    }
+    mma_store_entries(dw, entries, lane);
     __syncwarp();
-    if (lane <= K) {
-      float sum = 0.0f;
-      for (int n = 0; n < 8; ++n) {
-        const int k = lane == K ? 0 : n + 8 - (P - lane);
-        sum += __uint_as_float(entries[8 * k + n]);
-      }
-      sums_at[lane] = sum;
-    }
+    if (lane <= K) sums_at[lane] = mma_entry_sum<K>(entries, lane);
   };
   with_bool_constant(p.silu, [&](auto silu) {
     for_each_channel_first_item<kPack<T>, P, false, ItemKept::kNothing, kLanes>(
