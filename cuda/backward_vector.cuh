@@ -877,12 +877,13 @@ __device__ __forceinline__ void tap_fragment(const float* by_lag, int lane, cons
 
 // A params row's entries of a warp's table of taps by lag (see tap_fragment): lane l < kLags's
 // tap of lag l + kMinLag (weight P - lag, 0 outside the taps), and the row's bias (0 without
-// one). like_x: with_param_type's constant, chosen by the caller around all its rows. Each lane
-// loads a weight and a bias whether it keeps them or not, with no branch, so that both loads
-// issue together (in branches, a lane's tap then the bias, the second waited on the first). With
-// the per-block math below moved out of the kernel's lambdas, H200 traces of the bf16 BDL
-// backward, B=8 L=2048 D=4096: K = 8 127.3 -> 124.4-125.2 us, K = 7 127.3-127.7 -> 124.1-124.5
-// (thirtieth session).
+// one). like_x: with_param_type's constant, chosen by the caller. Each lane loads one weight and
+// the bias, kept or not, with no branch: one round of two loads where load_param_row had every
+// lane load the row's K + 1 values. With the per-block math below moved out of the kernel's
+// lambdas, H200 traces of the bf16 BDL backward, B=8 L=2048 D=4096: K = 8 127.3 -> 124.4-125.2
+// us, K = 7 127.3-127.7 -> 124.1-124.5 (thirtieth session). (Written with load_param and
+// with_param_type inside, as load_param_rows is, it compiled to 2144 SASS instructions against
+// these 2016, sm_90: not the timed kernel.)
 struct MmaTapRow {
   float tap, bias;
 };
