@@ -877,29 +877,26 @@ __device__ __forceinline__ void tap_fragment(const float* by_lag, int lane, cons
 
 // A params row's entries of a warp's table of taps by lag (see tap_fragment): lane l < kLags's
 // tap of lag l + kMinLag (weight P - lag, 0 outside the taps), and the row's bias (0 without
-// one). like_x: with_param_type's constant, chosen by the caller. Each lane loads one weight and
-// the bias, kept or not, with no branch: one round of two loads where load_param_row had every
-// lane load the row's K + 1 values. With the per-block math below moved out of the kernel's
+// one). Each lane loads one weight and the bias: one round of two loads where load_param_row had
+// every lane load the row's K + 1 values. With the per-block math below moved out of the kernel's
 // lambdas, H200 traces of the bf16 BDL backward, B=8 L=2048 D=4096: K = 8 127.3 -> 124.4-125.2
-// us, K = 7 127.3-127.7 -> 124.1-124.5 (thirtieth session). (Written with load_param and
-// with_param_type inside, as load_param_rows is, it compiled to 2144 SASS instructions against
-// these 2016, sm_90: not the timed kernel.)
+// us, K = 7 127.3-127.7 -> 124.1-124.5 (thirtieth session); through load_param, as here, rather
+// than its own pick of the params' type, the same within 0.7 us (thirty-first).
 struct MmaTapRow {
   float tap, bias;
 };
 
-template <int K, typename LikeX>
-__device__ __forceinline__ MmaTapRow mma_tap_row(const ConvParams& p, int64_t row, int lane,
-                                                 LikeX like_x) {
-  using Param = std::conditional_t<LikeX::value, __nv_bfloat16, float>;
+template <int K>
+__device__ __forceinline__ MmaTapRow mma_tap_row(const ConvParams& p, int64_t row, int lane) {
   constexpr int P = K - 1;
   const int lag = lane + kMinLag;
   const bool kept = lag >= 0 && lag <= P;
-  const Param* const weights = static_cast<const Param*>(p.weight) + row * K;
-  const Param* const bias = p.bias ? static_cast<const Param*>(p.bias) + row : weights;
-  const float tap = to_acc<float>(weights[kept ? P - lag : 0]);
-  const float bias_value = to_acc<float>(*bias);
-  return {kept ? tap : 0.0f, p.bias ? bias_value : 0.0f};
+  return with_param_type<__nv_bfloat16, float>(p.params_like_x, [&](auto like_x) {
+    const float tap =
+        load_param<__nv_bfloat16, float>(p.weight, row * K + (kept ? P - lag : 0), like_x);
+    const float bias = p.bias ? load_param<__nv_bfloat16, float>(p.bias, row, like_x) : 0.0f;
+    return MmaTapRow{kept ? tap : 0.0f, bias};
+  });
 }
 
 // One channel's taps as B fragments, split into high and low parts: the pre-activations' (lag
@@ -1080,9 +1077,7 @@ __global__ void __launch_bounds__(kChannelFirstThreads, 6)
     float* const sums_at =
         partials + ((item.b * item.chunks + item.chunk) * p.channels + item.d) * (K + 1);
     float* const by_lag = taps_by_lag[warp];
-    const MmaTapRow tap_row = with_param_type<T, float>(p.params_like_x, [&](auto like_x) {
-      return mma_tap_row<K>(p, item.param_row, lane, like_x);
-    });
+    const MmaTapRow tap_row = mma_tap_row<K>(p, item.param_row, lane);
     if (lane < kLags) by_lag[lane] = tap_row.tap;
     __syncwarp();
     const MmaTaps taps = mma_taps(by_lag, tap_row.bias, lane);
