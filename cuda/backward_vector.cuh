@@ -823,6 +823,19 @@ constexpr int kMmaRing = 8;
 // 129.1, D=8192 272.8 -> 245.5, B=2 L=16384 D=1024 70.2 -> 60.6, B=1 L=65536 D=4096 509.3 ->
 // 415.8 (K = 7: 8 blocks at L=512 49.1 -> 54.3, 16 at D=1024 36.5 -> 36.7, D=4096 129.8 -> 127.9).
 constexpr int64_t kMmaMinItemBlocks = 16;
+// Blocks of kChannelFirstThreads per SM the tensor-core backward's registers must allow. At 6 (80
+// registers, 24 warps) it took B=8 L=2048 D=4096 K = 8 in about 121.5 us against 93.4 for a copy of
+// its bytes (H200, thirtieth session), issuing in under 60% of the cycles at 1.98 GHz by its SASS
+// (with silu about 2170 instructions a warp item of 16 blocks): its warps wait on each block's
+// chain of shuffles, MMAs, MUFU and movmatrix, so more of them hide more of it. At 8 (64 registers)
+// the silu pair loop takes 211 instructions instead of 210 and an item's code around the loops 471
+// instead of 425 (values recomputed rather than held; K = 7 and 8 alike, no-op fillers aside), and
+// one address spills (8 bytes, loaded once an item). The ring's shared memory allows 8: 8 x (16752
+// + 1024 reserved) bytes, 112 KB of copies in flight per SM. At 32 warps an SM the launch's split
+// keeps that shape's whole rows (16 blocks, 7.8 waves of items instead of 10.3); at 7 (72
+// registers, no spills) it would cut B=8 L=2048 D=1024's rows to 8 blocks, below kMmaMinItemBlocks,
+// where 6 keeps them whole.
+constexpr int kMmaBlocksPerSm = 8;
 
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4],
                                                const uint32_t (&b)[2]) {
@@ -1021,7 +1034,7 @@ __device__ __forceinline__ float mma_entry_sum(const uint32_t* entries, int k) {
 // partials[b, chunk, d, 0..K] as the scalar kernel's do, in a fixed order. Correct for items of
 // any length; launched for those of kMmaMinItemBlocks blocks or more.
 template <int K>
-__global__ void __launch_bounds__(kChannelFirstThreads, 6)
+__global__ void __launch_bounds__(kChannelFirstThreads, kMmaBlocksPerSm)
     backward_channel_first_mma_kernel(ConvParams p, float* partials, ChannelFirstSplit split) {
   using T = __nv_bfloat16;
   constexpr int P = K - 1;
