@@ -834,7 +834,10 @@ constexpr int64_t kMmaMinItemBlocks = 16;
 // + 1024 reserved) bytes, 112 KB of copies in flight per SM. At 32 warps an SM the launch's split
 // keeps that shape's whole rows (16 blocks, 7.8 waves of items instead of 10.3); at 7 (72
 // registers, no spills) it would cut B=8 L=2048 D=1024's rows to 8 blocks, below kMmaMinItemBlocks,
-// where 6 keeps them whole.
+// where 6 keeps them whole. H200 traces, bf16 BDL backward (thirty-first session), 6 -> 8:
+// B=8 L=2048 D=4096 K = 8 125.9 -> 122.9-123.1 us, K = 7 125.0-125.5 -> 122.4-122.5 (predicted
+// 106-118: waiting was not the most of it); B=8 L=2048 D=512 and B=1 L=2048 D=4096 K = 8, one wave
+// now on tensor cores, 22.2 -> 20.6; B=8 L=2048 D=1024 35.3 -> 34.9.
 constexpr int kMmaBlocksPerSm = 8;
 
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4],
