@@ -7,7 +7,8 @@ with the first run's, on the device; only the mismatch counts come back to the h
 
 Cases: the main training workload (B=8, L=2048, D=4096, K=4, bfloat16) in both layouts, plain and
 with bias, silu, seq_idx and initial/final state, plus the generic-width tile kernels (K=5, D not
-a multiple of the 16-byte pack).
+a multiple of the 16-byte pack), and the plain channel-first bf16 K = 8 call, whose backward runs on
+tensor cores.
 
     python3 scripts/determinism.py              # N=1000 on the default device (H200: ~15 s)
     python3 scripts/determinism.py --smoke      # small sizes, N=5
@@ -42,6 +43,7 @@ def cases(smoke: bool):
         ("plain", B, L, D, 4, "BDL", False),
         ("full", B, L, D, 4, "BDL", True),
         ("full_generic", B, L, D + 4, 5, "BLD", True),
+        ("plain", B, L, D, 8, "BDL", False),
     ]
 
 
