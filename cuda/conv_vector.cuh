@@ -859,9 +859,12 @@ enum class ItemKept { kNothing, kChannels, kRows };
 // take the item in one turn, nothing is held through it). kWidth < 32: segments of kWidth packs
 // (see uniform_segments), and each group of kWidth lanes takes its own channel of the item at a
 // time, the groups consecutive ones; where the item has fewer left, the last again (the groups
-// then store the same values to the same places).
+// then store the same values to the same places). kShareCheck: where a block's warps all take
+// whole rows of one batch row (a choice of the whole block), they share the uniform check
+// (uniform_segments' kWarps); the launch must then be of kChannelFirstThreads.
 template <int V, int P, bool kMasked, ItemKept kKept = ItemKept::kNothing, int kWidth = kLanes,
-          int kMaskedChannels = kUniformChannels, typename Start, typename Run>
+          int kMaskedChannels = kUniformChannels, bool kShareCheck = true, typename Start,
+          typename Run>
 __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
                                                             const ChannelFirstSplit& split,
                                                             int64_t extra, const Start& start,
@@ -890,13 +893,11 @@ __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
         const int64_t end = std::min(first.c1 + extra, p.length);
         const int count = static_cast<int>(
             std::min<int64_t>(kUniformSegments, (end - first.c0 + kSegment - 1) / kSegment));
-        // Where the block's warps all take items of first's batch row and times (whole rows, a
-        // uniform choice of the block), they share the check: each loads a quarter of it.
         constexpr int kWarps = kChannelFirstThreads / kLanes;
         const int warp = static_cast<int>(threadIdx.x / kLanes);
         const int64_t block_first = i - warp, block_last = block_first + kWarps - 1;
         const int32_t* const row = p.seq_idx + first.b * p.length;
-        if (split.chunks.d == 1 && block_last < items &&
+        if (kShareCheck && split.chunks.d == 1 && block_last < items &&
             block_first / split.channel_groups == block_last / split.channel_groups) {
           uniform = uniform_segments<V, P, kWidth, kWarps>(row, first.c0, count, p.length, lane,
                                                            warp);
@@ -929,11 +930,11 @@ __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
 
 // The same without start, for run(item, uniform).
 template <int V, int P, bool kMasked, ItemKept kKept = ItemKept::kNothing, int kWidth = kLanes,
-          int kMaskedChannels = kUniformChannels, typename Run>
+          int kMaskedChannels = kUniformChannels, bool kShareCheck = true, typename Run>
 __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
                                                             const ChannelFirstSplit& split,
                                                             int64_t extra, const Run& run) {
-  for_each_channel_first_item<V, P, kMasked, kKept, kWidth, kMaskedChannels>(
+  for_each_channel_first_item<V, P, kMasked, kKept, kWidth, kMaskedChannels, kShareCheck>(
       p, split, extra, [](const ChannelFirstItem&) {},
       [&](const ChannelFirstItem& item, UniformSegments uniform, bool) { run(item, uniform); });
 }
