@@ -540,6 +540,16 @@ constexpr int channel_first_backward_width() {
   return kMasked || sizeof(T) < 4 ? kLanes / 2 : kLanes;
 }
 
+// Whether the masked channel-first backward's blocks share the seq_idx check of whole rows
+// (for_each_channel_first_item's kShareCheck). On the H200 (thirty-second session, packed BDL bwd
+// bf16 B=8 L=2048 D=4096, trace us) it took K = 4 121.4-122.0 -> 119.6 at one sequence a row,
+// 128.0-128.7 -> 126.2-126.5 at four, K = 8 205.3 -> 196.4. Not where its second form of the check
+// cost a block per SM (sm_90 ptxas): f32 K = 3 96 -> 104 registers, K = 6 125 -> 136.
+template <typename T, int K>
+constexpr bool channel_first_backward_shares_check() {
+  return sizeof(T) < 4 || (K != 3 && K != 6);
+}
+
 // (B, D, L), L a multiple of the pack V. A group of lanes (kWidth, see above) streams chunk_len
 // times of one (b, d) row in segments of kWidth V times, lane l of the group owning V consecutive
 // times of each. Per segment it computes delta (x halos from lower lanes by shuffle) and, once
@@ -768,7 +778,8 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
     }
   };
   with_bool_constant(p.silu, [&](auto silu) {
-    for_each_channel_first_item<V, P, kMasked, ItemKept::kNothing, kWidth>(
+    for_each_channel_first_item<V, P, kMasked, ItemKept::kNothing, kWidth, kUniformChannels,
+                                channel_first_backward_shares_check<T, K>()>(
         p, split, P,
         [&](const ChannelFirstItem& item, UniformSegments uniform) { run(item, uniform, silu); });
   });

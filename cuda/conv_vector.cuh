@@ -729,51 +729,77 @@ __device__ __forceinline__ bool pack_is_uniform(const int32_t (&own)[V]) {
   return own[0] >= 0 && differ == 0;
 }
 
-// UniformSegments for count <= kUniformSegments segments from s (s_j < length for j < count). Per
-// segment, lane l checks its pack and that it continues the time before it (lane l - 1's last, for
-// lane 0 the previous segment's), and a ballot gathers the lanes; lane j keeps segment j's
-// ballot. The P times before (after) a segment are in the last (first) packs of its neighbour,
-// which must check out too: a boundary in those packs but outside the P times makes the segment
-// masked, not wrong. Every lane must call it, with the same arguments. kWidth < 32: segments of
-// kWidth packs (s_j = s + j kWidth V); each ballot then takes 32 / kWidth of them, and lane j
-// takes segment j's bits of its ballot.
-template <int V, int P, int kWidth = kLanes>
-__device__ UniformSegments uniform_segments(const int32_t* row, int64_t s, int count,
-                                            int64_t length, int lane) {
-  constexpr int kSegment = kWidth * V;
-  constexpr int kPerBallot = kLanes / kWidth;
-  constexpr uint32_t kSegmentLanes = kWidth == kLanes ? kFullWarp : (1u << kWidth) - 1;
-  constexpr int kEdge = (P + 3) / 4 * 4;        // entries loaded before the first segment
-  constexpr int kEdgeLanes = (P + V - 1) / V;  // lanes whose packs hold the first or last P times
-  constexpr uint32_t kFirstLanes = (1u << kEdgeLanes) - 1;
-  constexpr uint32_t kLastLanes = kSegmentLanes & (~0u << (kWidth - kEdgeLanes));
-  const int ballots = (count + kPerBallot - 1) / kPerBallot;
-  // The entry of time s - 1 if the P times before s share it, else -1 (no match); before the row,
-  // the row's first entry.
-  int32_t previous;
-  if (s > 0) {
+// uniform_segments' ballots, ballot j over the kLanes packs from s_j = s + j kLanes V (j <
+// ballots, s_j < length): lane l checks its pack and that it continues the time before it (lane
+// l - 1's last; for lane 0 the time before s_j, whose entry is -1, no match, at j = 0 where the P
+// times before s do not share it); lane j gets ballot j, for j = first, first + kStride, ... (0
+// for the other lanes). With kStride 1 each ballot's lane 0 takes the entry before s_j from the
+// ballot before it; else it loads it.
+template <int V, int P, int kStride = 1>
+__device__ __forceinline__ uint32_t uniform_ballots(const int32_t* row, int64_t s, int ballots,
+                                                    int first, int64_t length, int lane) {
+  constexpr int kEdge = (P + 3) / 4 * 4;  // entries loaded before the first segment
+  const auto entry_before = [&](int j) -> int32_t {
+    if (j > 0) return __ldg(row + s + int64_t{j} * kLanes * V - 1);
+    if (s == 0) return __ldg(row);  // before the row: the row's first entry
     int32_t before[kEdge];
     load_segments(row + s - kEdge, true, before);
-    previous = before[kEdge - 1];
+    int32_t previous = before[kEdge - 1];
     for (int m = kEdge - P; m < kEdge - 1; ++m) previous = before[m] == previous ? previous : -1;
-  } else {
-    previous = __ldg(row);
-  }
+    return previous;
+  };
+  int32_t previous = entry_before(first);
   // Only the last ballot's packs may end past the row: its times before the row's end.
   const int64_t last_in_row = length - (s + int64_t{ballots - 1} * kLanes * V);
-  const int32_t* pack = row + s + lane * V;
-  uint32_t packs = 0;  // lane j: ballot j, then segment j's bits of its ballot
-  for (int j = 0; j < ballots; ++j, pack += kLanes * V) {
+  const int32_t* pack = row + s + (int64_t{first} * kLanes + lane) * V;
+  uint32_t packs = 0;
+  for (int j = first; j < ballots; j += kStride, pack += kStride * kLanes * V) {
     const bool exists = j + 1 < ballots || lane * V < last_in_row;
+    if constexpr (kStride > 1) {
+      if (j > first) previous = entry_before(j);
+    }
     int32_t own[V];  // a pack past the row's end loads the row's first instead: it is not checked
     load_segments(exists ? pack : row, true, own);
     bool ok = pack_is_uniform(own);
     // Lane l gets lane l - 1's last entry; lane 0 gets lane 31's, the time before the next segment.
     const int32_t rotated = __shfl_sync(kFullWarp, own[V - 1], (lane + kLanes - 1) % kLanes);
     ok = ok && own[0] == (lane == 0 ? previous : rotated);
-    previous = rotated;
+    if constexpr (kStride == 1) previous = rotated;
     const uint32_t ballot = __ballot_sync(kFullWarp, ok || !exists);
     packs = lane == j ? ballot : packs;
+  }
+  return packs;
+}
+
+// UniformSegments for count <= kUniformSegments segments from s (s_j < length for j < count). Per
+// segment, a ballot of its lanes' packs (uniform_ballots); lane j keeps segment j's ballot. The P
+// times before (after) a segment are in the last (first) packs of its neighbour, which must check
+// out too: a boundary in those packs but outside the P times makes the segment masked, not wrong.
+// Every lane must call it, with the same arguments. kWidth < 32: segments of kWidth packs (s_j = s
+// + j kWidth V); each ballot then takes 32 / kWidth of them, and lane j takes segment j's bits of
+// its ballot. kWarps > 1: every warp of the block calls it (all of its threads, each warp with
+// the same arguments, warp its index), and each loads and checks every kWarps-th ballot, which
+// they share through shared memory.
+template <int V, int P, int kWidth = kLanes, int kWarps = 1>
+__device__ UniformSegments uniform_segments(const int32_t* row, int64_t s, int count,
+                                            int64_t length, int lane, int warp = 0) {
+  constexpr int kSegment = kWidth * V;
+  constexpr int kPerBallot = kLanes / kWidth;
+  constexpr uint32_t kSegmentLanes = kWidth == kLanes ? kFullWarp : (1u << kWidth) - 1;
+  constexpr int kEdgeLanes = (P + V - 1) / V;  // lanes whose packs hold the first or last P times
+  constexpr uint32_t kFirstLanes = (1u << kEdgeLanes) - 1;
+  constexpr uint32_t kLastLanes = kSegmentLanes & (~0u << (kWidth - kEdgeLanes));
+  const int ballots = (count + kPerBallot - 1) / kPerBallot;
+  uint32_t packs;  // lane j: ballot j, then segment j's bits of its ballot
+  if constexpr (kWarps == 1) {
+    packs = uniform_ballots<V, P>(row, s, ballots, 0, length, lane);
+  } else {
+    __shared__ uint32_t shared_ballots[kUniformSegments];
+    const uint32_t own = uniform_ballots<V, P, kWarps>(row, s, ballots, warp, length, lane);
+    __syncthreads();  // the block's reads of the previous item's ballots are done
+    if (lane < ballots && lane % kWarps == warp) shared_ballots[lane] = own;
+    __syncthreads();
+    packs = lane < ballots ? shared_ballots[lane] : 0;
   }
   if constexpr (kPerBallot > 1) {
     packs = __shfl_sync(kFullWarp, packs, lane / kPerBallot) >> (lane % kPerBallot * kWidth) &
@@ -833,9 +859,12 @@ enum class ItemKept { kNothing, kChannels, kRows };
 // take the item in one turn, nothing is held through it). kWidth < 32: segments of kWidth packs
 // (see uniform_segments), and each group of kWidth lanes takes its own channel of the item at a
 // time, the groups consecutive ones; where the item has fewer left, the last again (the groups
-// then store the same values to the same places).
+// then store the same values to the same places). kShareCheck: where a block's warps all take
+// whole rows of one batch row (a choice of the whole block), they share the uniform check
+// (uniform_segments' kWarps); the launch must then be of kChannelFirstThreads.
 template <int V, int P, bool kMasked, ItemKept kKept = ItemKept::kNothing, int kWidth = kLanes,
-          int kMaskedChannels = kUniformChannels, typename Start, typename Run>
+          int kMaskedChannels = kUniformChannels, bool kShareCheck = true, typename Start,
+          typename Run>
 __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
                                                             const ChannelFirstSplit& split,
                                                             int64_t extra, const Start& start,
@@ -864,8 +893,17 @@ __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
         const int64_t end = std::min(first.c1 + extra, p.length);
         const int count = static_cast<int>(
             std::min<int64_t>(kUniformSegments, (end - first.c0 + kSegment - 1) / kSegment));
-        uniform = uniform_segments<V, P, kWidth>(p.seq_idx + first.b * p.length, first.c0, count,
-                                                 p.length, lane);
+        constexpr int kWarps = kChannelFirstThreads / kLanes;
+        const int warp = static_cast<int>(threadIdx.x / kLanes);
+        const int64_t block_first = i - warp, block_last = block_first + kWarps - 1;
+        const int32_t* const row = p.seq_idx + first.b * p.length;
+        if (kShareCheck && split.chunks.d == 1 && block_last < items &&
+            block_first / split.channel_groups == block_last / split.channel_groups) {
+          uniform = uniform_segments<V, P, kWidth, kWarps>(row, first.c0, count, p.length, lane,
+                                                           warp);
+        } else {
+          uniform = uniform_segments<V, P, kWidth>(row, first.c0, count, p.length, lane);
+        }
       }
       int channels = static_cast<int>(std::min<int64_t>(G, p.channels - first.d));
       ChannelFirstItem item = first;
@@ -892,11 +930,11 @@ __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
 
 // The same without start, for run(item, uniform).
 template <int V, int P, bool kMasked, ItemKept kKept = ItemKept::kNothing, int kWidth = kLanes,
-          int kMaskedChannels = kUniformChannels, typename Run>
+          int kMaskedChannels = kUniformChannels, bool kShareCheck = true, typename Run>
 __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
                                                             const ChannelFirstSplit& split,
                                                             int64_t extra, const Run& run) {
-  for_each_channel_first_item<V, P, kMasked, kKept, kWidth, kMaskedChannels>(
+  for_each_channel_first_item<V, P, kMasked, kKept, kWidth, kMaskedChannels, kShareCheck>(
       p, split, extra, [](const ChannelFirstItem&) {},
       [&](const ChannelFirstItem& item, UniformSegments uniform, bool) { run(item, uniform); });
 }

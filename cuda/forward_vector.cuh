@@ -448,6 +448,20 @@ constexpr bool channel_first_forward_primes() {
   return kMasked && !channel_first_forward_halves<T, K, kMasked>();
 }
 
+// Whether the masked channel-first forward's blocks share the seq_idx check of whole rows
+// (for_each_channel_first_item's kShareCheck). On the H200 (thirty-second session, packed BDL fwd
+// bf16 B=8 L=2048 D=4096, trace us) it took K = 4 79.2-79.8 -> 77.2-77.4 at one and four
+// sequences a row, K = 8 86.8 -> 83.7. Only where its second form of the check costs neither
+// blocks nor spills (sm_90 ptxas): with it bf16 K = 6 took 72 -> 80 registers and f16 K = 6 79
+// -> 91 (a block per SM fewer), and at their bounds bf16 K = 3, f16 K = 2, 7 and 8 and f32 K = 3-5
+// and 7 spilled 4-24 bytes.
+template <typename T, int K>
+constexpr bool channel_first_forward_shares_check() {
+  if constexpr (sizeof(T) == 4) return K == 2 || K == 6 || K == 8;
+  if constexpr (std::is_same_v<T, __half>) return K >= 3 && K <= 5;
+  return K != 3 && K != 6;
+}
+
 // (B, D, L), L a multiple of the pack V: a warp streams chunk_len times of one (b, d) row, lane l
 // owning V consecutive times of each 32 V-time segment (with channel_first_forward_width 16, of two
 // rows, each half of the warp one row's segments of 16 V times); the K-1 inputs before a lane's
@@ -621,7 +635,8 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
   constexpr ItemKept kKept = kMasked ? channel_first_forward_kept<T, K>() : ItemKept::kNothing;
   const auto run_items = [&](auto silu) {
     for_each_channel_first_item<V, P, kMasked, kKept, kWidth,
-                                channel_first_forward_item_channels<T, K>()>(
+                                channel_first_forward_item_channels<T, K>(),
+                                channel_first_forward_shares_check<T, K>()>(
         p, split, 0,
         [&](const ChannelFirstItem& item) {
           if constexpr (channel_first_forward_primes<T, K, kMasked>()) {

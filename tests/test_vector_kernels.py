@@ -424,11 +424,15 @@ def test_channel_first_seq_idx_chained(dev, dtype, width, length):
 # hold several segments, for every dtype and width: the backward's masked segments then run in its
 # interior loop too (both segments of a dx the item's own: seq_idx windows without range tests),
 # where test_channel_first_seq_idx's items are single segments and the large case has K = 4 only.
+# The warps of a block whose items are whole rows of one batch row share their seq_idx check: with
+# 1024 channels every block's items are (items of 4 channels, 256 a batch row, 4 a block); with
+# 1018 (255 items a batch row) the blocks across a batch row's end check their own.
+@pytest.mark.parametrize("channels", [1024, 1018])
 @pytest.mark.parametrize("width", range(2, 9))
 @pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("dev", GPU)
-def test_channel_first_seq_idx_items(dev, dtype, width):
-    check_cf_seq_idx(dev, dtype, width, True, channels=1024)
+def test_channel_first_seq_idx_items(dev, dtype, width, channels):
+    check_cf_seq_idx(dev, dtype, width, True, channels=channels)
 
 
 # With seq_idx the channel-first kernels take two channels a warp, a half-warp each, over segments
