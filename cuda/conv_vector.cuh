@@ -748,7 +748,9 @@ __device__ __forceinline__ uint32_t uniform_ballots(const int32_t* row, int64_t 
     for (int m = kEdge - P; m < kEdge - 1; ++m) previous = before[m] == previous ? previous : -1;
     return previous;
   };
-  int32_t previous = entry_before(first);
+  // A warp of the block's shared check may have no ballot (first >= ballots): its entry before
+  // would lie past the row.
+  int32_t previous = kStride == 1 || first < ballots ? entry_before(first) : -1;
   // Only the last ballot's packs may end past the row: its times before the row's end.
   const int64_t last_in_row = length - (s + int64_t{ballots - 1} * kLanes * V);
   const int32_t* pack = row + s + (int64_t{first} * kLanes + lane) * V;

@@ -435,6 +435,21 @@ def test_channel_first_seq_idx_items(dev, dtype, width, channels):
     check_cf_seq_idx(dev, dtype, width, True, channels=channels)
 
 
+# Rows of two segments (the second of one pack) in items of whole rows, enough of them (B=4,
+# D=8192) that the launches keep the rows whole: in a block's shared seq_idx check two of its
+# four warps then have no ballot of their own.
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dev", GPU)
+def test_channel_first_seq_idx_two_segments(dev, dtype):
+    rng = np.random.default_rng(2)
+    segment = segment_len(dtype)
+    length = segment + 16 // jnp.dtype(dtype).itemsize
+    seq = packed_seq_idx(length, [segment // 2, segment - 1, segment + 1])
+    args, seq_idx = inputs(rng, dtype, batch=len(seq), length=length, channels=8192, width=4,
+                           layout="BDL", state=True, seq_idx=seq)
+    compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL", final="random")
+
+
 # With seq_idx the channel-first kernels take two channels a warp, a half-warp each, over segments
 # of 16 packs (the backward at every dtype, the forward at 16 bits and K >= 6), whose
 # uniform_segments masks come two to a ballot of 32 packs: boundaries and padding around those
