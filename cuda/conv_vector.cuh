@@ -899,6 +899,8 @@ __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
         const int warp = static_cast<int>(threadIdx.x / kLanes);
         const int64_t block_first = i - warp, block_last = block_first + kWarps - 1;
         const int32_t* const row = p.seq_idx + first.b * p.length;
+        // Two forms of the check rather than one loop with a run-time stride: that took other
+        // masked kernels 8-15 registers more or spilled (sm_90, thirty-second session).
         if (kShareCheck && split.chunks.d == 1 && block_last < items &&
             block_first / split.channel_groups == block_last / split.channel_groups) {
           uniform = uniform_segments<V, P, kWidth, kWarps>(row, first.c0, count, p.length, lane,

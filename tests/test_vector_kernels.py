@@ -425,8 +425,8 @@ def test_channel_first_seq_idx_chained(dev, dtype, width, length):
 # interior loop too (both segments of a dx the item's own: seq_idx windows without range tests),
 # where test_channel_first_seq_idx's items are single segments and the large case has K = 4 only.
 # The warps of a block whose items are whole rows of one batch row share their seq_idx check: with
-# 1024 channels every block's items are (items of 4 channels, 256 a batch row, 4 a block); with
-# 1018 (255 items a batch row) the blocks across a batch row's end check their own.
+# 1024 channels every block's do (items of 4 channels, 256 a batch row, 4 a block); with 1018 (255
+# items a batch row) the blocks across a batch row's end check their own.
 @pytest.mark.parametrize("channels", [1024, 1018])
 @pytest.mark.parametrize("width", range(2, 9))
 @pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
@@ -435,9 +435,9 @@ def test_channel_first_seq_idx_items(dev, dtype, width, channels):
     check_cf_seq_idx(dev, dtype, width, True, channels=channels)
 
 
-# Rows of two segments (the second of one pack) in items of whole rows, enough of them (B=4,
-# D=8192) that the launches keep the rows whole: in a block's shared seq_idx check two of its
-# four warps then have no ballot of their own.
+# Rows of two segments (the second of one pack), enough of them (B=4, D=8192) that
+# channel_first_chunk keeps the rows whole on an H200: in a block's shared seq_idx check two of
+# its four warps then have no ballot of their own.
 @pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("dev", GPU)
 def test_channel_first_seq_idx_two_segments(dev, dtype):
