@@ -3,8 +3,9 @@
 Covers both layouts, seq_idx cases with padding (one boundary, or many so that kernels which skip
 the boundary tests inside a segment take both paths), an L < K-1 case with states, a long
 generic-K case, channel-first rows long and many enough for the backward's edge-free segments,
-short channel-first rows of a few packs, the bfloat16 channel-first backward on tensor cores
-(calls without states), decode steps of the one-token kernel (channel-last,
+short channel-first rows of a few packs, rows of two segments through the masked channel-first
+kernels' seq_idx check shared by a block's warps, the bfloat16 channel-first backward on tensor
+cores (calls without states), decode steps of the one-token kernel (channel-last,
 channel-first with and without the shared-memory staging, ring mode, a pool with padding rows,
 grids of several blocks with threads past the channels and rows) and of the generic one, and
 checks each result against the reference so a wrong answer also fails the run. Each printed line
