@@ -863,9 +863,9 @@ enum class ItemKept { kNothing, kChannels, kRows };
 // time, the groups consecutive ones; where the item has fewer left, the last again (the groups
 // then store the same values to the same places). kShareCheck: where a block's warps all take
 // whole rows of one batch row (a choice of the whole block), they share the uniform check
-// (uniform_segments' kWarps); the launch must then be of kChannelFirstThreads.
+// (uniform_segments' kWarps); the launch must then be of kChannelFirstThreads, so a caller opts in.
 template <int V, int P, bool kMasked, ItemKept kKept = ItemKept::kNothing, int kWidth = kLanes,
-          int kMaskedChannels = kUniformChannels, bool kShareCheck = true, typename Start,
+          int kMaskedChannels = kUniformChannels, bool kShareCheck = false, typename Start,
           typename Run>
 __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
                                                             const ChannelFirstSplit& split,
@@ -934,7 +934,7 @@ __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
 
 // The same without start, for run(item, uniform).
 template <int V, int P, bool kMasked, ItemKept kKept = ItemKept::kNothing, int kWidth = kLanes,
-          int kMaskedChannels = kUniformChannels, bool kShareCheck = true, typename Run>
+          int kMaskedChannels = kUniformChannels, bool kShareCheck = false, typename Run>
 __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
                                                             const ChannelFirstSplit& split,
                                                             int64_t extra, const Run& run) {
