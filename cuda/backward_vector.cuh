@@ -44,6 +44,16 @@ constexpr int backward_min_blocks() {
   return kWeights <= 8 ? 5 : kWeights <= 16 ? 4 : 1;
 }
 
+// Bytes of x (and as many of dy) in flight per thread: twice kBackwardRingBytes in the kernels
+// without a register cap (16-bit K >= 5: 155-240 registers, 2-3 blocks an SM against K = 4's 4),
+// so that an SM keeps about as many bytes in flight. H200 traces, BLD bwd bf16 B=8 L=2048 D=4096
+// (thirty-fourth session, us): K = 5 with seq_idx and states 127.6 -> 123.1, K = 6 119.9 -> 118.4,
+// K = 8 136.7-137.0 -> 135.2, K = 7 128.7 -> 128.4-128.7.
+template <typename T, int K>
+constexpr int backward_ring_bytes() {
+  return backward_min_blocks<T, K>() == 1 ? 2 * kBackwardRingBytes : kBackwardRingBytes;
+}
+
 // Whether the channel-last backward reads a step's rows from its rings one step early and sums a
 // dx's taps oldest delta first. A step is one dependency chain in issue order (ring wait, shared
 // load, pre-activation, silu's two MUFU ops, delta, K multiply-adds of dx, store), and the main
@@ -118,7 +128,7 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
   constexpr int C = channels_per_thread<T, K, kBackwardBudget>();
   constexpr int P = K - 1;
   using Row = RawFor<T, C>;
-  constexpr int kDepth = kBackwardRingBytes / static_cast<int>(sizeof(Row));
+  constexpr int kDepth = backward_ring_bytes<T, K>() / static_cast<int>(sizeof(Row));
   constexpr int kRingSlots = kDepth * kBackwardThreads;
   constexpr bool kAhead = backward_reads_ahead<T, K, kMasked>();
   static_assert(!kAhead || kDepth >= 2, "a read ahead leaves the ring a row in flight");
@@ -444,8 +454,20 @@ __device__ __forceinline__ void channel_first_deltas(const float (&w)[K][1], flo
 }
 
 // Segments whose x and dy packs a channel-first lane has in flight, through a cp.async ring (a
-// register queue of them cost a move per word per segment: 34 of the loop's 285 instructions).
-constexpr int kBackwardAhead = 2;
+// register queue of them cost a move per word per segment: 34 of the loop's 285 instructions):
+// 4, but 2 where the plain kernel's K = 7-8 interior pairs need it (a pair is a turn of the ring,
+// its slots immediates) and where the masked kernel runs 3 blocks an SM (K >= 6), at which 4 lost.
+// H200 traces, BDL bf16 B=8 L=2048 D=4096 (thirty-fourth session, 2 -> 4 ahead, us): plain K = 4
+// 108.2-108.5 -> 102.7-102.9, K = 6 118.8 -> 115.7, f32 K = 4 194.6 -> 191.3, B=1 L=65536 397.8
+// -> 394.2; packed (four sequences a row) K = 4 126.3-126.4 -> 125.8-126.1, f32 K = 4 221.1 ->
+// 206.7, but K = 6 165.8 -> 167.7 and K = 8 197.2 -> 201.3; one sequence a row K = 4 119.8 ->
+// 115.3 and packed B=1 L=65536 451.8 -> 422.3 (thirty-third session). The registers of the
+// kernels at 4 are the same or fewer (sm_90), but the masked f32 K = 2's 94 -> 99 (within its 4
+// blocks).
+template <int K, bool kMasked>
+constexpr int channel_first_backward_ahead() {
+  return K <= (kMasked ? 5 : 6) ? 4 : 2;
+}
 
 // delta of one channel-first segment, V times per lane.
 template <int V>
@@ -575,12 +597,12 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
   // 331 -> 314.5 instructions, K = 8 359 -> 340. With taps also summed in arrival order, pairs
   // took BDL K = 8 160.2 -> 157.0 us and K = 7 143.8 -> 145.5 (eighteenth session).
   constexpr bool kInteriorPairs = !kMasked && K >= 7;
+  constexpr int kAhead = channel_first_backward_ahead<K, kMasked>();
   using Word = RawFor<T, V>;
   const Conv<T, float, K> conv{p};
   const int lane = threadIdx.x % kWidth;  // in the lane's group, which takes one channel
-  __shared__ Word x_slots[kBackwardAhead * kChannelFirstThreads],
-      dy_slots[kBackwardAhead * kChannelFirstThreads];
-  const RowRing<kBackwardAhead, Word, kChannelFirstThreads> x_ring{x_slots}, dy_ring{dy_slots};
+  __shared__ Word x_slots[kAhead * kChannelFirstThreads], dy_slots[kAhead * kChannelFirstThreads];
+  const RowRing<kAhead, Word, kChannelFirstThreads> x_ring{x_slots}, dy_ring{dy_slots};
   allow_dependent_grid();  // the reduction's blocks may wait on the SMs (see launch_dependent)
   // The item's channel `item` (times [c0, c1)). Bit 0 of uniform.before: whether the next segment
   // that segment_delta takes is uniform for its deltas; of uniform.after, whether the next segment
@@ -608,7 +630,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
                                  item.c0);
     float dw[K + 1] = {};  // dw[K] is db
 
-    // The lane's x and dy packs of the next kBackwardAhead segments that segment_delta will take,
+    // The lane's x and dy packs of the next kAhead segments that segment_delta will take,
     // in the rings' slots (step: segment_delta's count). A pack past lane_end is not fetched: its
     // slot holds an older pack, which only lanes whose outputs do not exist read.
     int step = 0;
@@ -618,7 +640,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
       dy_ring.fetch(at, static_cast<const T*>(p.dy) + offset, s < lane_end);
       ring_commit();
     };
-    for (int a = 0; a < kBackwardAhead; ++a) fetch(item.c0 + a * kSegment, a);
+    for (int a = 0; a < kAhead; ++a) fetch(item.c0 + a * kSegment, a);
 
     // Called for segments c0, c0 + kSegment, ... in order, every one below loaded_end; interior
     // (std::true_type) when every time of the segment exists and is the item's own. slot: its
@@ -630,10 +652,10 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
       const int64_t t0 = s + lane * V;
       const bool exists = kInterior || t0 < loaded_end;
       float own[V], dy[V];
-      ring_wait<kBackwardAhead - 1>();
+      ring_wait<kAhead - 1>();
       widen(x_ring.template read<T, V>(slot), own);
       widen(dy_ring.template read<T, V>(slot), dy);
-      fetch(s + kBackwardAhead * kSegment, slot + kBackwardAhead);
+      fetch(s + kAhead * kSegment, slot + kAhead);
       ++step;
       float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}
       carry.template advance<V, kWidth>(own, lane, xs);
@@ -758,7 +780,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
       // next segments' deltas from slots 1 and 0.
       using Odd = std::integral_constant<int, 1>;
       using Even = std::integral_constant<int, 0>;
-      static_assert(kBackwardAhead == 2, "a pair of segments is a turn of the ring");
+      static_assert(kAhead == 2, "a pair of segments is a turn of the ring");
       for (; s + 3 * kSegment <= item.c1; s += 2 * kSegment) {
         segment_dx(s, std::true_type{}, Odd{});
         segment_dx(s + kSegment, std::true_type{}, Even{});

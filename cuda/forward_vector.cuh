@@ -307,6 +307,21 @@ constexpr int channel_first_forward_min_blocks() {
   return K == 5 ? 9 : 0;
 }
 
+// Whether the masked channel-first forward's ring has 2 kForwardRing slots, kForwardRing segments
+// ahead: it runs 24 warps an SM (6 blocks) against the plain kernel's 36, so fewer loads are in
+// flight. Its turns stay kForwardRing segments, the ring's steps then counted at run time. H200
+// traces, packed BDL fwd bf16 B=8 L=2048 D=4096 (thirty-fourth session, us): K = 4 77.5 -> 76.8 at
+// four sequences a row, 77.3 -> 74.5 at one; K = 2 80.6 -> 78.0; f16 K = 4 77.8 -> 76.7. Not where
+// ptxas then spills (sm_90: bf16 K = 5 and 8, f16 K = 2 and 7, f32 K = 2 and 6, 4-20 bytes) or
+// takes a block fewer (bf16 K = 6, 72 -> 80 registers).
+template <typename T, int K, bool kMasked>
+constexpr bool channel_first_forward_deep_ring() {
+  if constexpr (!kMasked) return false;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) return K <= 4 || K == 7;
+  if constexpr (sizeof(T) == 4) return K >= 3 && K != 6;
+  return K >= 3 && K != 7;
+}
+
 // Segments a turn of the channel-first forward's loop takes: kForwardRing, so that the ring's slots
 // are immediates (until the twenty-fourth session kForwardAhead, the packs in flight in registers
 // kept in place: a queue shifted each segment cost a move per word, about 1.75 instructions per
@@ -486,11 +501,14 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
   constexpr int kTurn = channel_first_forward_turn<T, K, kMasked>();
   using Word = RawFor<T, V>;
   constexpr bool kFinalState = channel_first_forward_final_state<T, K, kMasked>();
+  constexpr bool kDeepRing = channel_first_forward_deep_ring<T, K, kMasked>();
+  constexpr int kRing = kDeepRing ? 2 * kForwardRing : kForwardRing;
+  constexpr int kAhead = kDeepRing ? kForwardRing : kForwardAhead;
   const int lane = threadIdx.x % kWidth;
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
-  __shared__ Word x_slots[kForwardRing * kChannelFirstThreads];
-  const RowRing<kForwardRing, Word, kChannelFirstThreads> x_ring{x_slots};
+  __shared__ Word x_slots[kRing * kChannelFirstThreads];
+  const RowRing<kRing, Word, kChannelFirstThreads> x_ring{x_slots};
   // The lane's pack at time 0 of the item's row as one element offset for x and y (their base
   // pointers stay in the constant bank), and the end of the times whose packs are the lane's: its
   // pack of segment s is the item's while s < lane_end.
@@ -498,17 +516,17 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
     return item.row * p.length + lane * V;
   };
   const auto lane_end_of = [&](const ChannelFirstItem& item) { return item.c1 - lane * V; };
-  // The lane's packs of the first kForwardAhead segments from c0, in ring steps 0 ..
-  // kForwardAhead - 1, each in a commit group of its own (a pack past lane_end is not fetched).
+  // The lane's packs of the first kAhead segments from c0, in ring steps 0 .. kAhead - 1, each in
+  // a commit group of its own (a pack past lane_end is not fetched).
   const auto fetch_first = [&](int64_t lane_at, int64_t lane_end, int64_t c0) {
-    for (int a = 0; a < kForwardAhead; ++a) {
+    for (int a = 0; a < kAhead; ++a) {
       const int64_t s = c0 + a * kSegment;
       x_ring.fetch(a, x + lane_at + s, s < lane_end);
       ring_commit();
     }
   };
-  // Whether the ring holds the lane's packs of the next run's first kForwardAhead segments (in
-  // ring steps 0 .. kForwardAhead - 1), each in its own commit group. Each warp of the launch runs
+  // Whether the ring holds the lane's packs of the next run's first kAhead segments (in ring steps
+  // 0 .. kAhead - 1), each in its own commit group. Each warp of the launch runs
   // one item (grid_for_warps): without seq_idx a single channel, whose first packs it can only
   // fetch at its start. With seq_idx the item's first packs are fetched before its uniform_segments
   // (for_each_channel_first_item's start, where channel_first_forward_primes), so that the check's
@@ -517,8 +535,8 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
   // so that no channel but the first starts on an empty ring.
   constexpr bool kChains =
       kMasked && channel_first_forward_item_channels<T, K>() > kLanes / kWidth;
-  static_assert(!kChains || kTurn == kForwardRing,
-                "a chained item's last kForwardRing segments take ring steps 0 .. kForwardRing-1");
+  static_assert(!kChains || kAhead <= kTurn,
+                "a chained item's turns fetch none of the next channel's packs");
   bool primed = false;
   // The item's channel `item` (times [c0, c1)), at width 16 the half's own (see
   // for_each_channel_first_item: past the item's channels the upper half repeats the lower half's
@@ -538,30 +556,32 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
                    ? nullptr
                    : static_cast<const T*>(p.initial_state) + item.row * P,
                item.c0);
-    // The lane's packs of the next kForwardAhead segments, in the ring's slots (the item's segment
-    // j in slot j: turn_step, the ring step of the next turn's first segment, stays 0 through turns
-    // of kTurn = kForwardRing, so that their slots are immediates; the single segments after the
-    // turns advance it one at a time). A pack past lane_end is not fetched: its slot holds an older
-    // pack, which only lanes whose outputs are not stored read. So an item ends with no copy in
-    // flight, and the next item's fetches may take any slot (the backward's fetches past its items
-    // are live, hence its ring_wait<0> between items).
+    // The lane's packs of the next kAhead segments, in the ring's slots. turn_step is the ring step
+    // of the next turn's first segment: with turns of kTurn = kRing it stays 0 through them (the
+    // item's segment j in slot j), so that their slots are immediates, and the single segments
+    // after the turns advance it one at a time; in the deep ring it counts the item's segments. A
+    // pack past lane_end is not fetched: its slot holds an older pack, which only lanes whose
+    // outputs are not stored read. So an item ends with no copy in flight, and the next item's
+    // fetches may take any slot (the backward's fetches past its items are live, hence its
+    // ring_wait<0> between items).
     int turn_step = 0;
     const auto fetch = [&](int64_t s, int step) {
       x_ring.fetch(step, x + lane_at + s, s < lane_end);
       ring_commit();
     };
     if (!primed) fetch_first(lane_at, lane_end, item.c0);
-    // With chain, the item's last kForwardAhead segments fetch the next channel's first ones (all
-    // whole: the item has kForwardRing segments or more) into the ring steps after this channel's,
-    // which are the slots of its first segments where the item's segments fill whole turns of the
-    // ring (else the next channel fetches its own). The turns then end before the item's last
-    // kForwardRing segments (steady_end), which take ring steps 0 .. kForwardRing - 1 after them:
-    // those from kForwardRing - kForwardAhead fetch the next channel's.
-    const bool chain =
-        kChains && next && (item.c1 - item.c0 + kSegment - 1) / kSegment % kForwardRing == 0;
+    // With chain, the item's last kAhead segments fetch the next channel's first ones (all whole:
+    // the item has kRing segments or more) into the ring steps from end_step on, after this
+    // channel's last, which are the slots of the next channel's first segments where the item's
+    // segments fill whole turns of the ring (else the next channel fetches its own). The turns then
+    // end before the item's last kTurn segments (steady_end), the single segments after them, which
+    // fetch across.
+    const int64_t segments = (item.c1 - item.c0 + kSegment - 1) / kSegment;
+    const bool chain = kChains && next && segments % kRing == 0;
+    const int end_step = kTurn < kRing ? static_cast<int>(segments) : kRing;
     primed = chain;
     const auto fetch_across = [&](int64_t s, int step) {
-      const int next_segment = step - kForwardRing;  // the next channel's, at s past the item's
+      const int next_segment = step - end_step;  // the next channel's, at s past the item's
       const bool next_row = chain && next_segment >= 0;
       const int64_t at = next_row ? lane_at + p.length + item.c0 + next_segment * kSegment
                                   : lane_at + s;
@@ -569,7 +589,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
       ring_commit();
     };
     uint32_t uniform = masks.before;  // bit 0: the next segment's
-    // Segment s from its ring step's slot, then the fetch of segment s + kForwardAhead kSegment
+    // Segment s from its ring step's slot, then the fetch of segment s + kAhead kSegment
     // into the slot the segment before it read. whole (std::true_type): every lane's pack of s is
     // the item's. With kFinalState the others (then the item's last segment) also write the final
     // state, in the lane whose pack ends the row. across (std::true_type): after the turns, where
@@ -581,12 +601,12 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
       const bool masked = kMasked && !(uniform & 1u);
       uniform >>= 1;
       float own[V];
-      ring_wait<kForwardAhead - 1>();
+      ring_wait<kAhead - 1>();
       widen(x_ring.template read<T, V>(step), own);
       if constexpr (kChains && decltype(across)::value) {
-        fetch_across(s + kForwardAhead * kSegment, step + kForwardAhead);
+        fetch_across(s + kAhead * kSegment, step + kAhead);
       } else {
-        fetch(s + kForwardAhead * kSegment, step + kForwardAhead);
+        fetch(s + kAhead * kSegment, step + kAhead);
       }
       float xs[P + V];  // x_{t0-P} .. x_{t0+V-1}, t0 = s + lane V
       carry.template advance<V, kWidth>(own, lane, xs);
@@ -620,7 +640,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
       for (int a = 0; a < kTurn; ++a) {
         segment(s + a * kSegment, turn_step + a, std::true_type{}, std::false_type{});
       }
-      if constexpr (kTurn < kForwardRing) turn_step += kTurn;
+      if constexpr (kTurn < kRing) turn_step += kTurn;
     }
     // The whole segments left one at a time, the item's last segment (partial, or with kFinalState
     // the one that may end the row) after them.
