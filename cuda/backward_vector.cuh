@@ -457,13 +457,15 @@ __device__ __forceinline__ void channel_first_deltas(const float (&w)[K][1], flo
 // register queue of them cost a move per word per segment: 34 of the loop's 285 instructions):
 // 4, but 2 where the plain kernel's K = 7-8 interior pairs need it (a pair is a turn of the ring,
 // its slots immediates) and where the masked kernel runs 3 blocks an SM (K >= 6), at which 4 lost.
-// H200 traces, BDL bf16 B=8 L=2048 D=4096 (thirty-fourth session, 2 -> 4 ahead, us): plain K = 4
-// 108.2-108.5 -> 102.7-102.9, K = 6 118.8 -> 115.7, f32 K = 4 194.6 -> 191.3, B=1 L=65536 397.8
-// -> 394.2; packed (four sequences a row) K = 4 126.3-126.4 -> 125.8-126.1, f32 K = 4 221.1 ->
-// 206.7, but K = 6 165.8 -> 167.7 and K = 8 197.2 -> 201.3; one sequence a row K = 4 119.8 ->
-// 115.3 and packed B=1 L=65536 451.8 -> 422.3 (thirty-third session). The registers of the
-// kernels at 4 are the same or fewer (sm_90), but the masked f32 K = 2's 94 -> 99 (within its 4
-// blocks).
+// H200 traces, BDL bf16 B=8 L=2048 D=4096 (thirty-fourth session, 2 -> 4 ahead, us): plain K = 2
+// 105.9 -> 101.2, K = 3 106.8 -> 101.8, K = 4 107.9-108.5 -> 102.7-103.2, K = 5 112.0 -> 109.6,
+// K = 6 118.8 -> 115.7, f32 K = 4 194.6 -> 191.3, B=1 L=65536 397.8 -> 394.2, but D = 256 (the
+// kernel alone, rows cut into short items) 8.5 -> 8.8; with seq_idx and states (four sequences a
+// row) K = 2 113.6 -> 109.9, K = 3 117.4 -> 114.5, K = 4 126.3-126.9 -> 125.8-126.6, K = 5 136.7
+// -> 135.4, f32 K = 4 220.4-221.1 -> 206.7, f16 K = 3 118.1 -> 116.1, one sequence a row K = 4
+// 119.5-119.8 -> 115.3-116.0, B=1 L=65536 449.6-451.8 -> 422.3-423.3; but K = 6 165.8 -> 167.7
+// and K = 8 197.2 -> 201.3. The registers of the kernels at 4 are the same or fewer (sm_90), but
+// the masked f32 K = 2's 94 -> 99 (within its 4 blocks).
 template <int K, bool kMasked>
 constexpr int channel_first_backward_ahead() {
   return K <= (kMasked ? 5 : 6) ? 4 : 2;
