@@ -11,7 +11,7 @@
 namespace causal_conv {
 
 // Bytes of x (and as many of dy) in flight per thread in the channel-last backward: a RowRing of
-// 8 rows of 8 bytes or 4 of 16.
+// 8 rows of 8 bytes or 4 of 16 (twice that without a register cap, backward_ring_bytes).
 constexpr int kBackwardRingBytes = 64;
 // Threads per channel-last backward block, and weights per thread (K x C).
 constexpr int kBackwardThreads = 128;

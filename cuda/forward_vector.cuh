@@ -308,14 +308,14 @@ constexpr int channel_first_forward_min_blocks() {
 }
 
 // Whether the masked channel-first forward's ring has 2 kForwardRing slots, kForwardRing segments
-// ahead: it runs 24 warps an SM (6 blocks) against the plain kernel's 36, so fewer loads are in
-// flight. Its turns stay kForwardRing segments, the ring's steps then counted at run time. H200
-// traces, packed BDL fwd bf16 B=8 L=2048 D=4096 (thirty-fourth session, us): K = 4 77.1-77.5 ->
-// 76.8-77.1 at four sequences a row, 76.8-77.3 -> 74.5-74.7 at one; K = 2 79.8-80.6 -> 78.0-78.2,
-// K = 3 80.6 -> 79.6, K = 7 80.6 -> 79.6; f16 K = 3 82.7 -> 81.1, K = 4 77.8 -> 76.7, but K = 5
-// 84.0 -> 84.4; f32 K = 4 141.0 -> 140.1, K = 8 145.4 -> 143.3. Not where ptxas then spills (sm_90:
-// bf16 K = 5 and 8, f16 K = 2 and 7, f32 K = 2 and 6, 4-20 bytes) or takes a block fewer (bf16 K
-// = 6, 72 -> 80 registers).
+// ahead: it runs fewer warps an SM than the plain kernel (bf16 K = 4: 24, 6 blocks, against 36), so
+// fewer loads are in flight. Its turns stay kForwardRing segments, the ring's steps then counted at
+// run time. H200 traces, packed BDL fwd bf16 B=8 L=2048 D=4096 (thirty-fourth session, us): K = 4
+// 77.1-77.5 -> 76.8-77.1 at four sequences a row, 76.8-77.3 -> 74.5-74.7 at one; K = 2 79.8-80.6 ->
+// 78.0-78.2, K = 3 80.6 -> 79.6, K = 7 80.6 -> 79.6; f16 K = 3 82.7 -> 81.1, K = 4 77.8 -> 76.7,
+// but K = 5 84.0 -> 84.4; f32 K = 4 141.0 -> 140.1, K = 8 145.4 -> 143.3. Not where ptxas then
+// spills (sm_90: bf16 K = 5 and 8, f16 K = 2 and 7, f32 K = 2 and 6, 4-20 bytes) or takes a block
+// fewer (bf16 K = 6, 72 -> 80 registers).
 template <typename T, int K, bool kMasked>
 constexpr bool channel_first_forward_deep_ring() {
   if constexpr (!kMasked) return false;
@@ -483,7 +483,8 @@ constexpr bool channel_first_forward_shares_check() {
 // owning V consecutive times of each 32 V-time segment (with channel_first_forward_width 16, of two
 // rows, each half of the warp one row's segments of 16 V times); the K-1 inputs before a lane's
 // pack come from its lower neighbours by shuffle. The next kForwardAhead segments' packs are in
-// flight, through a cp.async ring in shared memory (kForwardRing).
+// flight, through a cp.async ring in shared memory (kForwardRing; with seq_idx, where
+// channel_first_forward_deep_ring, kForwardRing segments in a ring of twice the slots).
 //
 // With seq_idx (items of at most kUniformSegments segments and of
 // channel_first_forward_item_channels channels, whose uniform segments the warp finds once), the
