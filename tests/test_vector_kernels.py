@@ -393,17 +393,18 @@ def test_channel_first_seq_idx_turns(dev, dtype, width):
 
 # The masked forward's items of several channels run them one after another in a warp, and where
 # an item's segments fill whole turns of the ring (a multiple of its slots: 4, or 8 in the deep
-# ring of channel_first_forward_deep_ring, these cases' kernels) each channel's last segments fetch
-# the next channel's first packs. The cases above chain whole rows of 4 channels; here rows cut
-# into chunks (on the H200: chunks of 4 segments, which the deep ring does not chain, or of 8,
-# with turns), so that the next channel's packs start at c0 > 0, and D = 1279, whose last item of
-# each batch row has 3 channels (its last channel chains to nothing), at K = 3 (f16 and float32
-# without the final state in the kernel) and K = 4.
+# ring of channel_first_forward_deep_ring, these cases' kernels but bf16 K = 5's) each channel's
+# last segments fetch the next channel's first packs. The cases above chain whole rows of 4
+# channels; here rows cut into chunks (on the H200: chunks of 4 segments, which the deep ring does
+# not chain, or of 8, with turns), so that the next channel's packs start at c0 > 0, and D = 1279,
+# whose last item of each batch row has 3 channels (its last channel chains to nothing), at K = 3
+# (f16 and float32 without the final state in the kernel), K = 4 and K = 5 (bf16: the ring of 4).
 CHAINED_CF = [
     pytest.param(jnp.bfloat16, 4, 4096, id="bf16-K4-chunks-of-4"),
     pytest.param(jnp.bfloat16, 4, 8192, id="bf16-K4-chunks-of-8"),
     pytest.param(jnp.float16, 3, 4096, id="f16-K3-chunks-of-4"),
     pytest.param(jnp.float16, 3, 8192, id="f16-K3-longer-chunks"),
+    pytest.param(jnp.bfloat16, 5, 4096, id="bf16-K5-ring-of-4"),
     pytest.param(jnp.float32, 4, 2048, id="f32-K4-chunks-of-4"),
     pytest.param(jnp.float32, 3, 3072, id="f32-K3-chunks-of-4"),
 ]
