@@ -453,24 +453,6 @@ __device__ __forceinline__ void channel_first_deltas(const float (&w)[K][1], flo
   }
 }
 
-// Segments whose x and dy packs a channel-first lane has in flight, through a cp.async ring (a
-// register queue of them cost a move per word per segment: 34 of the loop's 285 instructions):
-// 4, but 2 where the plain kernel's K = 7-8 interior pairs need it (a pair is a turn of the ring,
-// its slots immediates) and where the masked kernel runs 3 blocks an SM (K >= 6), at which 4 lost.
-// H200 traces, BDL bf16 B=8 L=2048 D=4096 (thirty-fourth session, 2 -> 4 ahead, us): plain K = 2
-// 105.9 -> 101.2, K = 3 106.8 -> 101.8, K = 4 107.9-108.5 -> 102.7-103.2, K = 5 112.0 -> 109.6,
-// K = 6 118.8 -> 115.7, f32 K = 4 194.6 -> 191.3, B=1 L=65536 397.8 -> 394.2, but D = 256 (the
-// kernel alone, rows cut into short items) 8.5 -> 8.8; with seq_idx and states (four sequences a
-// row) K = 2 113.6 -> 109.9, K = 3 117.4 -> 114.5, K = 4 126.3-126.9 -> 125.8-126.6, K = 5 136.7
-// -> 135.4, f32 K = 4 220.4-221.1 -> 206.7, f16 K = 3 118.1 -> 116.1, one sequence a row K = 4
-// 119.5-119.8 -> 115.3-116.0, B=1 L=65536 449.6-451.8 -> 422.3-423.3; but K = 6 165.8 -> 167.7
-// and K = 8 197.2 -> 201.3. The registers of the kernels at 4 are the same or fewer (sm_90), but
-// the masked f32 K = 2's 94 -> 99 (within its 4 blocks).
-template <int K, bool kMasked>
-constexpr int channel_first_backward_ahead() {
-  return K <= (kMasked ? 5 : 6) ? 4 : 2;
-}
-
 // delta of one channel-first segment, V times per lane.
 template <int V>
 struct SegmentDelta {
@@ -574,6 +556,39 @@ constexpr bool channel_first_backward_shares_check() {
   return sizeof(T) < 4 || (K != 3 && K != 6);
 }
 
+// Whether the channel-first backward takes its interior segments two a loop pass (ring slots as
+// immediates, current / next renamed instead of copied) only without seq_idx from K = 7: at bf16 K
+// = 4 pairs cut a segment 242 -> 225 instructions and ran no faster (fourteenth and seventeenth
+// sessions), that kernel not being issue-bound, while K = 8 issues about half as many instructions
+// again an element and its forward bought about half its instruction cut (twenty-first session).
+// bf16 segments: K = 7 331 -> 314.5 instructions, K = 8 359 -> 340. With taps also summed in
+// arrival order, pairs took BDL K = 8 160.2 -> 157.0 us and K = 7 143.8 -> 145.5 (eighteenth
+// session).
+template <int K, bool kMasked>
+constexpr bool channel_first_backward_interior_pairs() {
+  return !kMasked && K >= 7;
+}
+
+// Segments whose x and dy packs a channel-first lane has in flight, through a cp.async ring (a
+// register queue of them cost a move per word per segment: 34 of the loop's 285 instructions):
+// 4, but 2 where the plain kernel's K = 7-8 interior pairs need it (a pair is a turn of the ring,
+// its slots immediates) and where the masked kernel runs 3 blocks an SM
+// (channel_first_backward_min_blocks: K >= 6), at which 4 lost.
+// H200 traces, BDL bf16 B=8 L=2048 D=4096 (thirty-fourth session, 2 -> 4 ahead, us): plain K = 2
+// 105.9 -> 101.2, K = 3 106.8 -> 101.8, K = 4 107.9-108.5 -> 102.7-103.2, K = 5 112.0 -> 109.6,
+// K = 6 118.8 -> 115.7, f32 K = 4 194.6 -> 191.3, B=1 L=65536 397.8 -> 394.2, but D = 256 (the
+// kernel alone, rows cut into short items) 8.5 -> 8.8; with seq_idx and states (four sequences a
+// row) K = 2 113.6 -> 109.9, K = 3 117.4 -> 114.5, K = 4 126.3-126.9 -> 125.8-126.6, K = 5 136.7
+// -> 135.4, f32 K = 4 220.4-221.1 -> 206.7, f16 K = 3 118.1 -> 116.1, one sequence a row K = 4
+// 119.5-119.8 -> 115.3-116.0, B=1 L=65536 449.6-451.8 -> 422.3-423.3; but K = 6 165.8 -> 167.7
+// and K = 8 197.2 -> 201.3. The registers of the kernels at 4 are the same or fewer (sm_90), but
+// the masked f32 K = 2's 94 -> 99 (within its 4 blocks).
+template <typename T, int K, bool kMasked>
+constexpr int channel_first_backward_ahead() {
+  const bool masked_at_3 = kMasked && channel_first_backward_min_blocks<T, K, kMasked>() < 4;
+  return channel_first_backward_interior_pairs<K, kMasked>() || masked_at_3 ? 2 : 4;
+}
+
 // (B, D, L), L a multiple of the pack V. A group of lanes (kWidth, see above) streams chunk_len
 // times of one (b, d) row in segments of kWidth V times, lane l of the group owning V consecutive
 // times of each. Per segment it computes delta (x halos from lower lanes by shuffle) and, once
@@ -591,15 +606,8 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
   constexpr int P = K - 1;
   constexpr int kWidth = channel_first_backward_width<T, kMasked>();
   constexpr int64_t kSegment = kWidth * V;
-  // Interior segments two a loop pass (ring slots as immediates, current / next renamed instead of
-  // copied) only without seq_idx from K = 7: at bf16 K = 4 pairs cut a segment 242 -> 225
-  // instructions and ran no faster (fourteenth and seventeenth sessions), that kernel not being
-  // issue-bound, while K = 8 issues about half as many instructions again an element and its
-  // forward bought about half its instruction cut (twenty-first session). bf16 segments: K = 7
-  // 331 -> 314.5 instructions, K = 8 359 -> 340. With taps also summed in arrival order, pairs
-  // took BDL K = 8 160.2 -> 157.0 us and K = 7 143.8 -> 145.5 (eighteenth session).
-  constexpr bool kInteriorPairs = !kMasked && K >= 7;
-  constexpr int kAhead = channel_first_backward_ahead<K, kMasked>();
+  constexpr bool kInteriorPairs = channel_first_backward_interior_pairs<K, kMasked>();
+  constexpr int kAhead = channel_first_backward_ahead<T, K, kMasked>();
   using Word = RawFor<T, V>;
   const Conv<T, float, K> conv{p};
   const int lane = threadIdx.x % kWidth;  // in the lane's group, which takes one channel

@@ -507,6 +507,9 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
   constexpr bool kDeepRing = channel_first_forward_deep_ring<T, K, kMasked>();
   constexpr int kRing = kDeepRing ? 2 * kForwardRing : kForwardRing;
   constexpr int kAhead = kDeepRing ? kForwardRing : kForwardAhead;
+  // Whether turn_step counts the item's segments through its turns (else the turns fill the ring
+  // and take its slots as immediates, turn_step 0).
+  constexpr bool kCountedSteps = kTurn < kRing;
   const int lane = threadIdx.x % kWidth;
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
@@ -581,7 +584,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
     // fetch across.
     const int64_t segments = (item.c1 - item.c0 + kSegment - 1) / kSegment;
     const bool chain = kChains && next && segments % kRing == 0;
-    const int end_step = kTurn < kRing ? static_cast<int>(segments) : kRing;
+    const int end_step = kCountedSteps ? static_cast<int>(segments) : kRing;
     primed = chain;
     const auto fetch_across = [&](int64_t s, int step) {
       const int next_segment = step - end_step;  // the next channel's, at s past the item's
@@ -643,7 +646,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
       for (int a = 0; a < kTurn; ++a) {
         segment(s + a * kSegment, turn_step + a, std::true_type{}, std::false_type{});
       }
-      if constexpr (kTurn < kRing) turn_step += kTurn;
+      if constexpr (kCountedSteps) turn_step += kTurn;
     }
     // The whole segments left one at a time, the item's last segment (partial, or with kFinalState
     // the one that may end the row) after them.
