@@ -266,6 +266,23 @@ def _factors(slot: str, channel_last: bool) -> str:
             "dbias": "g d"}[slot]
 
 
+def _outside_user_mesh(local):
+    """``local`` traced with no abstract mesh in context, as its operands are typed.
+
+    The partitioner traces the per-device function while compiling, and jax 0.11 leaves the
+    caller's ``jax.set_mesh`` in context there: the values that ``ppermute``, ``axis_index`` and
+    ``where`` create were then typed on that (Explicit) mesh, the operands on none, and
+    ``dynamic_update_slice`` refused to mix them. jax 0.10 traced it with no mesh.
+    """
+
+    @functools.wraps(local)
+    def traced(*operands):
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+            return local(*operands)
+
+    return traced
+
+
 def _partition(local, params, slots, results, mesh, arg_shapes, result_shape):
     """custom_partitioning's callback: the shardings to run with, and the per-device function."""
     del result_shape  # the results' shardings follow from x's
@@ -273,7 +290,7 @@ def _partition(local, params, slots, results, mesh, arg_shapes, result_shape):
     plan = _make_plan(mesh, shapes["x"], shapes["weight"], params["channel_last"])
     return (
         mesh,
-        functools.partial(local, plan, params),
+        _outside_user_mesh(functools.partial(local, plan, params)),
         tuple(plan.sharding(r) for r in results),
         tuple(plan.sharding(s) for s in slots),
     )

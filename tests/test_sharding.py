@@ -55,6 +55,16 @@ def make_mesh(platform: str, axes: dict):
     return jax.sharding.Mesh(grid, tuple(axes))
 
 
+def mesh_axes_group(mesh_text: str, axes_text: str) -> int:
+    """Devices in each group of replica groups that newer XLA (jax 0.11) prints as mesh axes,
+    ``mesh['data'=2,'seq'=2] {'data','seq'}``: the product of the named axes' sizes (a sub-axis
+    ``'data':(1)2`` counts its own size)."""
+    sizes = {name: int(size) for name, size in re.findall(r"'([^']+)'=(\d+)", mesh_text)}
+    axes = re.findall(r"'([^']+)'(?::\(\d+\)(\d+))?", axes_text)
+    assert axes and re.fullmatch(r"('[^']+'(:\(\d+\)\d+)?,?\s*)+", axes_text.strip()), axes_text
+    return math.prod(int(sub) if sub else sizes[name] for name, sub in axes)
+
+
 def collectives(compiled_text: str) -> list[dict]:
     """Every collective in compiled HLO: its kind, the largest array it moves (elements), and the
     number of devices in each of its groups."""
@@ -71,6 +81,8 @@ def collectives(compiled_text: str) -> list[dict]:
             group = len(listed.group(1).split(","))
         elif iota := re.search(r"replica_groups=\[\d+,(\d+)\]", line):
             group = int(iota.group(1))
+        elif axes := re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line):
+            group = mesh_axes_group(axes.group(1), axes.group(2))
         elif "replica_groups={}" in line or "replica_groups" not in line:
             group = "all devices"  # HLO's empty (or omitted) groups: one group of every device
         found.append(dict(kind=m.group(2), size=size, group=group, line=line.strip()))
@@ -375,6 +387,25 @@ def test_explicit_axes_types():
     for g, primal, r in zip(grads, (x, a["w"], a["b"], s), want):
         assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
         assert_close(g, r, jnp.float32, "explicit-axes gradient")
+
+
+def test_per_device_function_outside_the_callers_mesh():
+    """The partitioner traces the per-device function while compiling; jax 0.11 does so with the
+    caller's `jax.set_mesh` still in context, where the sequence-sharded backward then mixed
+    operands typed on no mesh with values typed on the caller's and failed to compile
+    (test_explicit_axes_types shows it end to end on jax 0.11; jax 0.10 left no mesh in
+    context). Here, on any jax: the function traces with no abstract mesh whatever the context."""
+    from jax_causal_conv import _sharding
+
+    explicit = (jax.sharding.AxisType.Explicit,) * 2
+    mesh = jax.make_mesh((2, 2), ("data", "seq"), axis_types=explicit,
+                         devices=jax.devices("cpu")[:4])
+    traced = _sharding._outside_user_mesh(lambda value: (jax.sharding.get_abstract_mesh(), value))
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        assert jax.sharding.get_abstract_mesh() == mesh.abstract_mesh
+        inside, value = traced(3)
+        assert jax.sharding.get_abstract_mesh() == mesh.abstract_mesh
+    assert inside.empty and value == 3
 
 
 @pytest.mark.parametrize("manual", ["all", "data"])
