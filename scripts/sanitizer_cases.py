@@ -27,7 +27,8 @@ import jax_causal_conv as jcc  # noqa: E402
 CASES = [
     # batch, length, channels, width, layout, dtype, segments of seq_idx (0: none), states: True
     # (an initial state, and the final state's cotangent), False (the final state's only) or None
-    # (neither: the tensor-core backward takes only such calls)
+    # (neither: the tensor-core backward takes only such calls, and short channel-first rows
+    # without seq_idx take kernels of their own)
     (2, 200, 70, 4, "BLD", jnp.float32, 0, True),
     (2, 200, 70, 4, "BDL", jnp.bfloat16, 0, True),
     (3, 130, 33, 3, "BLD", jnp.float16, 2, True),
@@ -74,6 +75,11 @@ CASES = [
     # one batch row) in rows of 2 segments: warps 2 and 3 have no ballot, and the last batch row's
     # would lie past seq_idx
     (3, 264, 64, 4, "BDL", jnp.bfloat16, 2, True),
+    # short channel-first rows without seq_idx or states, lanes past the rows' ends (bf16 L = 136:
+    # 15 of 32, float32 L = 24: 2 of 8) and channels (36 rows in blocks of 32 and of 4)
+    (7, 136, 12, 5, "BDL", jnp.bfloat16, 0, None),
+    (40, 24, 36, 4, "BDL", jnp.float32, 0, None),
+    (64, 128, 256, 4, "BDL", jnp.bfloat16, 0, None),
 ]
 
 UPDATE_CASES = [

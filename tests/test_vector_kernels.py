@@ -597,31 +597,45 @@ def short_seq_idx(length: int) -> np.ndarray:
     return np.stack([np.full(length, 3, np.int32), back, padded])
 
 
-@pytest.mark.parametrize("state", [False, True], ids=["no_state", "state"])
-@pytest.mark.parametrize("masked", [False, True], ids=["no_seq_idx", "seq_idx"])
+# (seq_idx, initial state, final state's cotangent): the short-row kernels are compiled twice, for
+# calls without any of them ("plain") and for calls with some.
+SHORT_FEATURES = {
+    "plain": (False, False, "none"),
+    "final_state": (False, False, "random"),
+    "state": (False, True, "random"),
+    "seq_idx": (True, False, "random"),
+    "seq_idx_state": (True, True, "random"),
+}
+
+
+@pytest.mark.parametrize("features", SHORT_FEATURES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("length", SHORT_LENGTHS)
 @pytest.mark.parametrize("dev", DEVICES)
-def test_short_rows(dev, length, dtype, masked, state):
+def test_short_rows(dev, length, dtype, features):
     """3 x 7 rows (an odd count: the last warp item is partly empty); bf16 L = 8 puts a row on each
-    lane, L = 136 and 256 (bf16) take whole warps."""
+    lane, L = 136 and 256 (bf16) take whole warps, L = 136 with 15 lanes past the row's end."""
+    masked, state, final = SHORT_FEATURES[features]
     rng = np.random.default_rng(length)
     seq = short_seq_idx(length) if masked else None
     args, seq_idx = inputs(rng, dtype, batch=3, length=length, channels=7, width=4, layout="BDL",
                            state=state, seq_idx=seq)
-    compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL", final="random")
+    compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL", final=final)
 
 
+@pytest.mark.parametrize("features", ["plain", "seq_idx"])
 @pytest.mark.parametrize("width", [2, 5, 8])
 @pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("dev", DEVICES)
-def test_short_rows_widths(dev, dtype, width):
+def test_short_rows_widths(dev, dtype, width, features):
     """Widths whose halo reaches two lanes back (float32, K = 8) or past a one-pack row."""
+    masked, _, final = SHORT_FEATURES[features]
     rng = np.random.default_rng(width)
     for length in (8, 24):
+        seq = short_seq_idx(length)[np.arange(5) % 3] if masked else None
         args, seq_idx = inputs(rng, dtype, batch=5, length=length, channels=3, width=width,
-                               layout="BDL", seq_idx=short_seq_idx(length)[np.arange(5) % 3])
-        compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL", final="random")
+                               layout="BDL", seq_idx=seq)
+        compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL", final=final)
 
 
 # More warp units than the GPU holds warps: each warp takes several in turn. A unit is a block of
@@ -643,14 +657,15 @@ SHORT_MANY = [
 ]
 
 
-@pytest.mark.parametrize("masked", [False, True], ids=["no_seq_idx", "seq_idx"])
+@pytest.mark.parametrize("features", ["plain", "final_state", "seq_idx"])
 @pytest.mark.parametrize("dtype,shape", SHORT_MANY)
 @pytest.mark.parametrize("dev", GPU)
-def test_short_rows_many_items(dev, dtype, shape, masked):
+def test_short_rows_many_items(dev, dtype, shape, features):
+    masked, _, final = SHORT_FEATURES[features]
     rng = np.random.default_rng(8)
     seq = short_seq_idx(shape["length"])[np.arange(shape["batch"]) % 3] if masked else None
     args, seq_idx = inputs(rng, dtype, width=4, layout="BDL", seq_idx=seq, **shape)
-    compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL", final="random")
+    compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL", final=final)
 
 
 # Short rows under weight groups (vmapped parameters over one x: 3 groups of 301 batch rows): the
