@@ -230,10 +230,14 @@ PartialSlices launch_vector_backward(cudaStream_t stream, const ConvParams& p, f
     return {rows_per_group, slices};
   }
   if (const int group = short_row_group(p.length, kPack<T>); group > 0) {
-    constexpr auto kernel = backward_short_rows_kernel<T, K>;
-    const ShortRowLaunch launch = short_row_launch<kernel>(p, group);
-    kernel<<<launch.blocks, kThreads, 0, stream>>>(p, partials, group, launch.units);
-    return {1, launch.units.runs.d};
+    const auto launch_short_rows = [&](auto features) {
+      constexpr auto kernel = backward_short_rows_kernel<T, K, decltype(features)::value>;
+      const ShortRowLaunch launch = short_row_launch<kernel>(p, group);
+      kernel<<<launch.blocks, kThreads, 0, stream>>>(p, partials, group, launch.units);
+      return PartialSlices{1, launch.units.runs.d};
+    };
+    if (!kMasked && !has_states(p)) return launch_short_rows(std::false_type{});
+    return launch_short_rows(std::true_type{});
   }
   if constexpr (std::is_same_v<T, __nv_bfloat16> && !kMasked && (K == 7 || K == 8)) {
     // The tensor-core kernel leaves the states to the scalar one (its first and last blocks
@@ -243,7 +247,7 @@ PartialSlices launch_vector_backward(cudaStream_t stream, const ConvParams& p, f
     const int64_t chunk_len = channel_first_chunk(
         rows, p.length, kMmaBlock, resident_threads<kernel>(kChannelFirstThreads) / kLanes,
         kUnlimitedSegments);
-    if (p.initial_state == nullptr && p.dinitial_state == nullptr && p.dfinal_state == nullptr &&
+    if (!has_states(p) &&
         chunk_len >= kMmaMinItemBlocks * kMmaBlock) {
       const ChannelFirstSplit split(p, chunk_len, 1);
       kernel<<<grid_for_warps(rows * split.chunks.d), kChannelFirstThreads, 0, stream>>>(

@@ -244,6 +244,27 @@ __device__ __forceinline__ void copy_async(uint32_t dst, const void* src) {
   }
 }
 
+// copy_async, or zeros into dst where !copy (cp.async's ignore-src: src is not read, though it
+// must still be an address inside some buffer).
+template <int kBytes>
+__device__ __forceinline__ void copy_async_or_zeros(uint32_t dst, const void* src, bool copy) {
+  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async moves 4, 8 or 16 bytes");
+  const uint32_t zeros = !copy;
+  if constexpr (kBytes == 16) {
+    asm volatile(
+        "{\n\t.reg .pred z;\n\tsetp.ne.u32 z, %2, 0;\n\t"
+        "cp.async.cg.shared.global [%0], [%1], 16, z;\n\t}\n" ::"r"(dst),
+        "l"(src), "r"(zeros)
+        : "memory");
+  } else {
+    asm volatile(
+        "{\n\t.reg .pred z;\n\tsetp.ne.u32 z, %2, 0;\n\t"
+        "cp.async.ca.shared.global [%0], [%1], %3, z;\n\t}\n" ::"r"(dst),
+        "l"(src), "r"(zeros), "n"(kBytes)
+        : "memory");
+  }
+}
+
 // Per-thread rows (one Row word of 4, 8 or 16 bytes) of one buffer, fetched kDepth steps ahead
 // with cp.async into shared memory. A copy in flight holds no registers; with the rows loaded into
 // registers one step ahead, register pressure capped the vectorized kernels at 12-24% of warps
@@ -271,6 +292,14 @@ struct RowRing {
   __device__ __forceinline__ void fetch(int step, const void* src, bool live) const {
     const uint32_t dst = mine_shared + (step & (kDepth - 1)) * (kBlockThreads * kBytes);
     if (live) copy_async<kBytes>(dst, src);
+  }
+
+  // Where fetched, starts the copy of step's row from src, or of zeros where !live (src unread but
+  // inside some buffer all the same): a slot read back then holds no stale values.
+  __device__ __forceinline__ void fetch_or_zeros(int step, const void* src, bool fetched,
+                                                 bool live) const {
+    const uint32_t dst = mine_shared + (step & (kDepth - 1)) * (kBlockThreads * kBytes);
+    if (fetched) copy_async_or_zeros<kBytes>(dst, src, live);
   }
 
   __device__ __forceinline__ Row read(int step) const {

@@ -119,9 +119,16 @@ bool launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
     return kMasked;
   }
   if (const int group = short_row_group(p.length, kPack<T>); group > 0) {
-    constexpr auto kernel = forward_short_rows_kernel<T, K>;
-    const ShortRowLaunch launch = short_row_launch<kernel>(p, group);
-    kernel<<<launch.blocks, kThreads, 0, stream>>>(p, group, launch.units);
+    const auto launch_short_rows = [&](auto features) {
+      constexpr auto kernel = forward_short_rows_kernel<T, K, decltype(features)::value>;
+      const ShortRowLaunch launch = short_row_launch<kernel>(p, group);
+      kernel<<<launch.blocks, kThreads, 0, stream>>>(p, group, launch.units);
+    };
+    if (!kMasked && !has_states(p)) {
+      launch_short_rows(std::false_type{});
+    } else {
+      launch_short_rows(std::true_type{});
+    }
     return false;
   }
   constexpr auto kernel = forward_channel_first_kernel<T, K, kMasked>;

@@ -706,8 +706,8 @@ constexpr int kShortForwardDepth = 4;
 // now. H200 traces, B=64 L=128 D=4096 fwd: bf16 K = 4 49.7 -> 37.2 us (the copy's 32.1), K = 8
 // 66.8 -> 42.8, float32 78.7 -> 75.1 (twenty-seventh session).
 template <typename T, int K>
-__global__ void __launch_bounds__(kThreads)
-    forward_short_rows_kernel(ConvParams p, int group, ShortRowUnits units) {
+__device__ __forceinline__ void forward_short_rows(const ConvParams& p, int group,
+                                                   const ShortRowUnits& units) {
   constexpr int V = kPack<T>;
   constexpr int P = K - 1;
   using Pack = RawFor<T, V>;
@@ -756,6 +756,12 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
+}
+
+template <typename T, int K, bool kFeatures>
+__global__ void __launch_bounds__(kThreads)
+    forward_short_rows_kernel(ConvParams p, int group, ShortRowUnits units) {
+  forward_short_rows<T, K>(with_features<kFeatures>(p), group, units);
 }
 
 }  // namespace causal_conv
