@@ -703,8 +703,9 @@ constexpr int kShortForwardDepth = 4;
 // per batch row, each item loaded its K + 1 weights (dependent loads at its start that its first
 // outputs waited on), rotated its queue and stepped a (b, d) cursor in 64-bit arithmetic: sm_90
 // SASS, bf16 K = 4 with silu and neither seq_idx nor states, 232 instructions an item, 167 a step
-// now. H200 traces, B=64 L=128 D=4096 fwd: bf16 K = 4 49.7 -> 37.2 us (the copy's 32.1), K = 8
-// 66.8 -> 42.8, float32 78.7 -> 75.1 (twenty-seventh session).
+// then (127 since compiled without features, with_features). H200 traces, B=64 L=128 D=4096 fwd:
+// bf16 K = 4 49.7 -> 37.2 us (the copy's 32.1), K = 8 66.8 -> 42.8, float32 78.7 -> 75.1
+// (twenty-seventh session).
 template <typename T, int K>
 __device__ __forceinline__ void forward_short_rows(const ConvParams& p, int group,
                                                    const ShortRowUnits& units) {
