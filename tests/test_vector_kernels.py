@@ -597,8 +597,8 @@ def short_seq_idx(length: int) -> np.ndarray:
     return np.stack([np.full(length, 3, np.int32), back, padded])
 
 
-# (seq_idx, initial state, final state's cotangent): the short-row kernels are compiled twice, for
-# calls without any of them ("plain") and for calls with some.
+# (seq_idx, initial state, final state's cotangent) of a short-row call: none of them ("plain"),
+# or some; a call with none may take code of its own.
 SHORT_FEATURES = {
     "plain": (False, False, "none"),
     "final_state": (False, False, "random"),
