@@ -244,8 +244,8 @@ __device__ __forceinline__ void copy_async(uint32_t dst, const void* src) {
   }
 }
 
-// copy_async, or zeros into dst where !copy (cp.async's ignore-src: src is not read, though it
-// must still be an address inside some buffer).
+// copy_async, or zeros into dst where !copy (cp.async's ignore-src: src is not read; the callers
+// still pass an address inside a buffer).
 template <int kBytes>
 __device__ __forceinline__ void copy_async_or_zeros(uint32_t dst, const void* src, bool copy) {
   static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async moves 4, 8 or 16 bytes");
