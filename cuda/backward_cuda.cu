@@ -156,9 +156,11 @@ __global__ void __launch_bounds__(kThreads)
 
 // Where the dw/db partials lie: per weight group, rows_per_group rows of `slices` slices of
 // D x (K + 1) sums each, in that order (the batch rows of a group and their tiles or chunks, or one
-// row of the short-row backward's runs).
+// row of the short-row backward's runs). reduced: the kernel wrote dweight and dbias itself (one
+// slice a weight group), so that no reduction runs.
 struct PartialSlices {
   int64_t rows_per_group, slices;
+  bool reduced = false;
 };
 
 // The reduction's two shapes. Wide blocks (32 columns x 8 lanes, one sum: each warp reads 128
@@ -206,9 +208,11 @@ inline int64_t steps_per_thread(int64_t columns, int64_t length, int64_t residen
   return std::min(kMaxSteps, std::max(min_steps, (length + pieces - 1) / pieces));
 }
 
-// Launches dx, dS and the dw/db partials; returns where the partials lie.
+// Launches dx, dS and the dw/db partials (or dweight and dbias themselves); returns where the
+// partials lie.
 template <typename T, int K, bool kMasked>
-PartialSlices launch_vector_backward(cudaStream_t stream, const ConvParams& p, float* partials) {
+PartialSlices launch_vector_backward(cudaStream_t stream, const ConvParams& p, float* partials,
+                                     void* dweight, void* dbias) {
   const int64_t rows_per_group = p.batch / p.groups;
   if (p.channel_last) {
     constexpr int C = channels_per_thread<T, K, kBackwardBudget>();
@@ -230,11 +234,16 @@ PartialSlices launch_vector_backward(cudaStream_t stream, const ConvParams& p, f
     return {rows_per_group, slices};
   }
   if (const int group = short_row_group(p.length, kPack<T>); group > 0) {
+    // With one run a weight group, a unit's sums are its channels' dw and db: the kernel stores
+    // them, and the reduction's launch (and the gap before it) goes.
     const auto launch_short_rows = [&](auto features) {
       constexpr auto kernel = backward_short_rows_kernel<T, K, decltype(features)::value>;
       const ShortRowLaunch launch = short_row_launch<kernel>(p, group);
-      kernel<<<launch.blocks, kThreads, 0, stream>>>(p, partials, group, launch.units);
-      return PartialSlices{1, launch.units.runs.d};
+      const bool reduced = launch.units.runs.d == 1;
+      kernel<<<launch.blocks, kThreads, 0, stream>>>(p, partials, reduced ? dweight : nullptr,
+                                                     reduced ? dbias : nullptr, group,
+                                                     launch.units);
+      return PartialSlices{1, launch.units.runs.d, reduced};
     };
     if (!kMasked && !has_states(p)) return launch_short_rows(std::false_type{});
     return launch_short_rows(std::true_type{});
@@ -269,11 +278,12 @@ PartialSlices launch_vector_backward(cudaStream_t stream, const ConvParams& p, f
 // error.
 template <typename T, typename A, int kWidth>
 ffi::Error launch_backward_partials(cudaStream_t stream, const ConvParams& p, A* partials,
-                                    PartialSlices& slices) {
+                                    void* dweight, void* dbias, PartialSlices& slices) {
   if constexpr (std::is_same_v<A, float> && kWidth > 0) {
     if (vector_applies<T, kWidth>(p, true)) {
-      slices = p.seq_idx != nullptr ? launch_vector_backward<T, kWidth, true>(stream, p, partials)
-                                    : launch_vector_backward<T, kWidth, false>(stream, p, partials);
+      slices = p.seq_idx != nullptr
+                   ? launch_vector_backward<T, kWidth, true>(stream, p, partials, dweight, dbias)
+                   : launch_vector_backward<T, kWidth, false>(stream, p, partials, dweight, dbias);
       return cuda_status("vectorized backward kernel");
     }
   }
@@ -301,11 +311,13 @@ ffi::Error launch_backward(cudaStream_t stream, const ConvParams& p, void* dweig
   }
   PartialSlices slices{p.batch / p.groups, 0};
   if (p.batch > 0 && p.channels > 0) {
-    if (auto err = launch_backward_partials<T, A, kWidth>(stream, p, partials, slices);
+    if (auto err = launch_backward_partials<T, A, kWidth>(stream, p, partials, dweight, dbias,
+                                                          slices);
         err.failure()) {
       return err;
     }
   }
+  if (slices.reduced) return ffi::Error::Success();
   if (reduce_blocks(p, kWideColumns) >= kReduceMinBlocks) {
     launch_reduce<T, A, kWideColumns, 1>(stream, p, partials, slices, dweight, dbias);
   } else {

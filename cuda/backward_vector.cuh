@@ -1240,14 +1240,16 @@ constexpr int kShortBackwardDepth = 4;
 // (B, D, L), L a multiple of the pack V and at most 32 V: group lanes per row (short_row_group),
 // a warp unit (ShortRowUnits) at a time, one batch row of its channel block per step, the next
 // kShortBackwardDepth steps' packs in flight. Per row it writes dx (and dS); per unit, its
-// dw/db sums over the run, over the group by a fixed shuffle tree, to its slice of partials.
+// dw/db sums over the run, over the group by a fixed shuffle tree, to its slice of partials, or
+// where dweight is given (one run a weight group), to dweight and dbias in the params' dtype.
 // With one channel block a warp item per batch row, each row loaded its K + 1 weights (dependent
 // loads at each item's start) and reduced and stored its own sums (bf16 K = 4: about 110 of the
 // item loop's 500 SASS instructions), and the reduction read a slice per batch row. H200 trace,
 // B=64 L=128 D=4096 bf16 K = 4, bwd span with the reduction: 111.5 -> 64.2 us (the copy's 47.0;
 // twenty-sixth session).
 template <typename T, int K>
-__device__ __forceinline__ void backward_short_rows(const ConvParams& p, float* partials, int group,
+__device__ __forceinline__ void backward_short_rows(const ConvParams& p, float* partials,
+                                                    void* dweight, void* dbias, int group,
                                                     const ShortRowUnits& units) {
   constexpr int V = kPack<T>;
   constexpr int P = K - 1;
@@ -1380,16 +1382,25 @@ __device__ __forceinline__ void backward_short_rows(const ConvParams& p, float* 
       }
     }
     if (g == 0 && row_live) {
-      float* out = partials + (where.rest * p.channels + d) * (K + 1);  // (group, run, d)
-      for (int k = 0; k <= K; ++k) out[k] = dw[k];
+      if (dweight != nullptr) {  // one run a weight group: the sums are dw and db
+        const int64_t row = where.weight_group * p.channels + d;
+        for (int k = 0; k < K; ++k) {
+          store_param<T, float>(dweight, row * K + k, dw[k], p.params_like_x);
+        }
+        store_param<T, float>(dbias, row, dw[K], p.params_like_x);
+      } else {
+        float* out = partials + (where.rest * p.channels + d) * (K + 1);  // (group, run, d)
+        for (int k = 0; k <= K; ++k) out[k] = dw[k];
+      }
     }
   }
 }
 
 template <typename T, int K, bool kFeatures>
 __global__ void __launch_bounds__(kThreads, 2)
-    backward_short_rows_kernel(ConvParams p, float* partials, int group, ShortRowUnits units) {
-  backward_short_rows<T, K>(with_features<kFeatures>(p), partials, group, units);
+    backward_short_rows_kernel(ConvParams p, float* partials, void* dweight, void* dbias,
+                               int group, ShortRowUnits units) {
+  backward_short_rows<T, K>(with_features<kFeatures>(p), partials, dweight, dbias, group, units);
 }
 
 }  // namespace causal_conv
