@@ -683,6 +683,15 @@ def test_short_rows_weight_groups(dev):
     assert_weight_group_grads(dev, rng, x, members, width, "BDL")
 
 
+# Weight groups of 2 batch rows each, one run a group wherever the device holds a unit a warp.
+@pytest.mark.parametrize("dev", GPU)
+def test_short_rows_weight_groups_short_runs(dev):
+    rng = np.random.default_rng(15)
+    members, batch, length, channels, width = 3, 2, 64, 6, 4
+    x = jnp.asarray(rng.standard_normal((batch, channels, length)), jnp.bfloat16)
+    assert_weight_group_grads(dev, rng, x, members, width, "BDL")
+
+
 # The forward under weight groups: 3 groups of 9 batch rows of 2047 channels (bf16 L = 64: 512
 # blocks of 4 rows, the last of 3) make, on the H200 (4224 warps resident), runs of 5 rows and of
 # 4 inside each group (a run of 5 refetches its ring's first slot); with the initial state, the
