@@ -238,7 +238,8 @@ PartialSlices launch_vector_backward(cudaStream_t stream, const ConvParams& p, f
     // them, and the reduction's launch (and the gap before it) goes.
     const auto launch_short_rows = [&](auto features) {
       constexpr auto kernel = backward_short_rows_kernel<T, K, decltype(features)::value>;
-      const ShortRowLaunch launch = short_row_launch<kernel>(p, group);
+      // A/B only: the units and grid planned for the features kernel's occupancy, as on main.
+      const ShortRowLaunch launch = short_row_launch<backward_short_rows_kernel<T, K, true>>(p, group);
       const bool reduced = launch.units.runs.d == 1;
       kernel<<<launch.blocks, kThreads, 0, stream>>>(p, partials, reduced ? dweight : nullptr,
                                                      reduced ? dbias : nullptr, group,
