@@ -672,24 +672,16 @@ def test_short_rows_many_items(dev, dtype, shape, features):
     compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL", final=final)
 
 
-# Short rows under weight groups (vmapped parameters over one x: 3 groups of 301 batch rows): the
-# backward's runs stay inside a group, whose slices of partials the reduction sums; 6 channels
-# make a second channel block of 2 of its 4 rows (bf16 L = 64: 8 lanes a row).
+# Short rows under weight groups (vmapped parameters over one x, 3 groups). 301 batch rows a group:
+# the backward's runs stay inside a group, whose slices of partials the reduction sums; 6 channels
+# make a second channel block of 2 of its 4 rows (bf16 L = 64: 8 lanes a row). 2 batch rows and
+# 1125 channel blocks a group: more blocks than the device holds warps (the H200 holds 2112-3168 of
+# the backward's), so that each group's rows are one run.
+@pytest.mark.parametrize("batch,channels", [(301, 6), (2, 4500)], ids=["runs", "one_run"])
 @pytest.mark.parametrize("dev", GPU)
-def test_short_rows_weight_groups(dev):
+def test_short_rows_weight_groups(dev, batch, channels):
     rng = np.random.default_rng(13)
-    members, batch, length, channels, width = 3, 301, 64, 6, 4
-    x = jnp.asarray(rng.standard_normal((batch, channels, length)), jnp.bfloat16)
-    assert_weight_group_grads(dev, rng, x, members, width, "BDL")
-
-
-# Weight groups of 2 batch rows and 1125 channel blocks each (bf16 L = 64: 4 rows a block): more
-# blocks than the device holds warps (the H200 holds 2112-3168 of the backward's), so that each
-# group's rows are one run.
-@pytest.mark.parametrize("dev", GPU)
-def test_short_rows_weight_groups_one_run(dev):
-    rng = np.random.default_rng(15)
-    members, batch, length, channels, width = 3, 2, 64, 4500, 4
+    members, length, width = 3, 64, 4
     x = jnp.asarray(rng.standard_normal((batch, channels, length)), jnp.bfloat16)
     assert_weight_group_grads(dev, rng, x, members, width, "BDL")
 
