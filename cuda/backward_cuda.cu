@@ -238,8 +238,12 @@ PartialSlices launch_vector_backward(cudaStream_t stream, const ConvParams& p, f
     // them, and the reduction's launch (and the gap before it) goes.
     const auto launch_short_rows = [&](auto features) {
       constexpr auto kernel = backward_short_rows_kernel<T, K, decltype(features)::value>;
-      // A/B only: the units and grid planned for the features kernel's occupancy, as on main.
-      const ShortRowLaunch launch = short_row_launch<backward_short_rows_kernel<T, K, true>>(p, group);
+      // Units and grid planned for the kernel with features' occupancy (2 blocks an SM) whichever
+      // runs: planned for the plain kernel's 3, B=64 L=128 D=4096 took runs of 22 rows and kept
+      // the reduction. H200 traces, bf16 K = 4 bwd: main 64.1-64.4 us, plain kernels on their
+      // own plan 60.4-60.7, on this one 54.7-54.9 (thirty-sixth session).
+      const ShortRowLaunch launch =
+          short_row_launch<backward_short_rows_kernel<T, K, true>>(p, group);
       const bool reduced = launch.units.runs.d == 1;
       kernel<<<launch.blocks, kThreads, 0, stream>>>(p, partials, reduced ? dweight : nullptr,
                                                      reduced ? dbias : nullptr, group,
