@@ -646,10 +646,8 @@ def test_short_rows_widths(dev, dtype, width, features):
 # L = 8 in runs of 2 and a last of 1, and runs longer than its ring (kShortForwardDepth = 4) in
 # the last two: bf16 30 x 2049 L = 128, 1025 blocks (the last one channel of 2), 4 runs of 8 (the
 # last of 6); float32 20 x 3001 L = 64, 1501 blocks (the last 1 of 2), 3 runs of 7 (the last 6).
-# Those are the kernels with features. The plain ones (no seq_idx or states) hold more warps
-# (forward 6336, backward bf16 3168 and float32 4224): the float32 backward takes 701 x 7 in runs
-# of 2 (the last of 1), the forward its last two in 6 runs of 5 and 4 runs of 5, still longer
-# than its ring; the other runs above stay as they are.
+# The plain kernels (no seq_idx or states) hold more warps, but are launched on the units planned
+# for the kernels with features, so that these runs are theirs too.
 SHORT_MANY = [
     pytest.param(jnp.bfloat16, dict(batch=65, length=8, channels=4096), id="bf16-L8"),
     pytest.param(jnp.bfloat16, dict(batch=5, length=128, channels=4096), id="bf16-L128"),
