@@ -250,8 +250,7 @@ PartialSlices launch_vector_backward(cudaStream_t stream, const ConvParams& p, f
                                                      launch.units);
       return PartialSlices{1, launch.units.runs.d, reduced};
     };
-    if (!kMasked && !has_states(p)) return launch_short_rows(std::false_type{});
-    return launch_short_rows(std::true_type{});
+    return with_bool_constant(kMasked || has_states(p), launch_short_rows);
   }
   if constexpr (std::is_same_v<T, __nv_bfloat16> && !kMasked && (K == 7 || K == 8)) {
     // The tensor-core kernel leaves the states to the scalar one (its first and last blocks

@@ -1307,7 +1307,7 @@ __device__ __forceinline__ void backward_short_rows(const ConvParams& p, float* 
       // delta, and the row's dw/db terms (the lane's own times). A lane outside the rows takes
       // deltas of zero, so that its terms (products with its zeros and halo) add nothing: the
       // terms accumulated only where live cost a predicated move each, V (K + 1) a step (sm_90
-      // SASS, bf16 K = 4 without features: 318 -> 288 a step). No dS or dx reads a time that does
+      // SASS, bf16 K = 4 without features: 318 -> 287 a step). No dS or dx reads a time that does
       // not exist.
       float delta[V];
       if (masked) {

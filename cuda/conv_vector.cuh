@@ -962,7 +962,7 @@ CAUSAL_CONV_HD bool has_states(const ConvParams& p) {
 // The short-row kernels are instantiated with kFeatures false for calls without seq_idx or states
 // (has_states): p with those pointers null at compile time, so that their per-row tests and
 // branches compile away. sm_90 SASS, bf16 K = 4 with silu, instructions a row step without
-// features: forward 167 -> 127, backward 331 -> 318 (registers 62 -> 40 and 106 -> 79).
+// features: forward 167 -> 127, backward 331 -> 318 (registers 62 -> 40 and 106 -> 80).
 // With kFeatures, p itself: a copy of the kernel's parameters cost the features kernels registers
 // (sm_90, float32 K = 4 forward 48 -> 52, a block less per SM).
 template <bool kFeatures>

@@ -127,11 +127,7 @@ bool launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
           short_row_launch<forward_short_rows_kernel<T, K, true>>(p, group);
       kernel<<<launch.blocks, kThreads, 0, stream>>>(p, group, launch.units);
     };
-    if (!kMasked && !has_states(p)) {
-      launch_short_rows(std::false_type{});
-    } else {
-      launch_short_rows(std::true_type{});
-    }
+    with_bool_constant(kMasked || has_states(p), launch_short_rows);
     return false;
   }
   constexpr auto kernel = forward_channel_first_kernel<T, K, kMasked>;

@@ -673,8 +673,8 @@ def test_short_rows_many_items(dev, dtype, shape, features):
 # Short rows under weight groups (vmapped parameters over one x, 3 groups). 301 batch rows a group:
 # the backward's runs stay inside a group, whose slices of partials the reduction sums; 6 channels
 # make a second channel block of 2 of its 4 rows (bf16 L = 64: 8 lanes a row). 2 batch rows and
-# 1125 channel blocks a group: more blocks than the device holds warps (the H200 holds 2112-3168 of
-# the backward's), so that each group's rows are one run.
+# 1125 channel blocks a group: more blocks than the device holds warps (on the H200 the units are
+# planned for 2112 of the backward's), so that each group's rows are one run.
 @pytest.mark.parametrize("batch,channels", [(301, 6), (2, 4500)], ids=["runs", "one_run"])
 @pytest.mark.parametrize("dev", GPU)
 def test_short_rows_weight_groups(dev, batch, channels):
