@@ -269,9 +269,9 @@ PartialSlices launch_vector_backward(cudaStream_t stream, const ConvParams& p, f
     }
   }
   constexpr auto kernel = backward_channel_first_kernel<T, K, kMasked>;
-  constexpr int kWidth = channel_first_backward_width<T, kMasked>();
-  const int64_t chunk_len =
-      channel_first_chunk_for<kernel, T, kMasked, kWidth>(p, backward_item_segments<kMasked>());
+  constexpr int kWidth = channel_first_backward_width<T, K, kMasked>();
+  const int64_t chunk_len = channel_first_chunk_for<kernel, T, kMasked, kWidth>(
+      p, backward_item_segments<kMasked>(p.length, int64_t{kWidth} * kPack<T>));
   const ChannelFirstSplit split(p, chunk_len, channels_per_item<kMasked, kWidth>());
   const int64_t items = channel_first_items<kMasked, kWidth>(p, split.chunks.d);
   kernel<<<grid_for_warps(items), kChannelFirstThreads, 0, stream>>>(p, partials, split);

@@ -541,8 +541,14 @@ constexpr int channel_first_backward_min_blocks() {
 // arithmetic (about 1.6 times a uniform segment's instructions at bf16 K = 4); at four packed
 // sequences a row of 2048, a third of the segments of 32 packs did, and about a sixth of those of
 // 16 packs.
-template <typename T, bool kMasked>
+// With seq_idx, 16-bit K = 4 and 5 take a quarter-warp a row in segments of 8 packs, so that a
+// boundary masks 64 elements instead of 128 and an item's 4 channels take one turn of the warp
+// instead of two. On the H200 (thirty-fifth session, packed BDL bwd B=8 L=2048 D=4096, four
+// sequences, trace us) bf16 K = 4 took 126.3 -> 119.4, K = 5 135.1 -> 125.6, f16 K = 4 127.2 ->
+// 120.1; but K = 2, 3, 6 and 7 lost 1.2-1.9 us, so they keep half-warp rows.
+template <typename T, int K, bool kMasked>
 constexpr int channel_first_backward_width() {
+  if constexpr (kMasked && sizeof(T) < 4 && (K == 4 || K == 5)) return kLanes / 4;
   return kMasked || sizeof(T) < 4 ? kLanes / 2 : kLanes;
 }
 
@@ -604,7 +610,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
     backward_channel_first_kernel(ConvParams p, float* partials, ChannelFirstSplit split) {
   constexpr int V = kPack<T>;
   constexpr int P = K - 1;
-  constexpr int kWidth = channel_first_backward_width<T, kMasked>();
+  constexpr int kWidth = channel_first_backward_width<T, K, kMasked>();
   constexpr int64_t kSegment = kWidth * V;
   constexpr bool kInteriorPairs = channel_first_backward_interior_pairs<K, kMasked>();
   constexpr int kAhead = channel_first_backward_ahead<T, K, kMasked>();

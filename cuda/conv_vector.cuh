@@ -1134,15 +1134,17 @@ inline int64_t channel_first_chunk(int64_t row_items, int64_t length, int64_t se
 
 // The most segments per channel-first item (channel_first_chunk's max_segments). With seq_idx,
 // uniform_segments' masks cover an item's segments: the forward's, and the backward's with the one
-// after them whose first deltas its dx needs.
+// after them whose first deltas its dx needs, which an item that ends the row does not have (a row
+// of kUniformSegments segments or fewer is one item).
 constexpr int64_t kUnlimitedSegments = int64_t{1} << 40;
 template <bool kMasked>
 constexpr int64_t forward_item_segments() {
   return kMasked ? kUniformSegments : kUnlimitedSegments;
 }
 template <bool kMasked>
-constexpr int64_t backward_item_segments() {
-  return kMasked ? kUniformSegments - 1 : kUnlimitedSegments;
+constexpr int64_t backward_item_segments(int64_t length, int64_t segment) {
+  if (!kMasked) return kUnlimitedSegments;
+  return length <= kUniformSegments * segment ? kUniformSegments : kUniformSegments - 1;
 }
 
 }  // namespace causal_conv

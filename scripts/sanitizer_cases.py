@@ -82,6 +82,9 @@ CASES = [
     (64, 128, 256, 4, "BDL", jnp.bfloat16, 0, None),
     # more channel blocks (4096 of 2 rows) than the device holds warps: one run of batch rows
     (5, 128, 8192, 4, "BDL", jnp.bfloat16, 0, None),
+    # the masked 16-bit channel-first backward at K = 4-5: a quarter-warp a row, in segments of 8
+    # packs, and rows of at most 32 segments (2040: 31 and 7 packs) one item
+    (2, 2040, 256, 5, "BDL", jnp.float16, 3, True),
 ]
 
 UPDATE_CASES = [

@@ -454,7 +454,8 @@ def test_channel_first_seq_idx_two_segments(dev, dtype):
 
 
 # With seq_idx the channel-first kernels take two channels a warp, a half-warp each, over segments
-# of 16 packs (the backward at every dtype, the forward at 16 bits and K >= 6), whose
+# of 16 packs (the backward at every dtype but 16-bit K = 4 and 5, the forward at 16 bits and
+# K >= 6), whose
 # uniform_segments masks come two to a ballot of 32 packs: boundaries and padding around those
 # segments (the odd ones start in the middle of a 32-pack one), in single-segment items (3
 # channels) and in whole rows (1023: items of 4 channels and a last one of 3, whose second pair
@@ -466,6 +467,35 @@ def test_channel_first_seq_idx_two_segments(dev, dtype):
 def test_channel_first_seq_idx_half_segments(dev, dtype, width, channels):
     check_cf_seq_idx(dev, dtype, width, True, channels=channels,
                      boundaries=segment_len(dtype) // 2)
+
+
+# With seq_idx the 16-bit backward at K = 4 and 5 takes four channels a warp, a quarter-warp
+# each, over segments of 8 packs: boundaries and padding around those segments, in single-segment
+# items (3 channels) and in whole rows (1023: items of 4 channels and a last one of 3).
+@pytest.mark.parametrize("channels", [3, 1023])
+@pytest.mark.parametrize("width", [4, 5])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dev", GPU)
+def test_channel_first_seq_idx_quarter_segments(dev, dtype, width, channels):
+    check_cf_seq_idx(dev, dtype, width, True, channels=channels,
+                     boundaries=segment_len(dtype) // 4)
+
+
+# A masked channel-first backward item that ends its row has no segment after it whose first
+# deltas its dx needs, so a row of at most kUniformSegments (32) segments is one item: at 16 bits,
+# K = 4 and 5 (segments of 8 packs) rows of 2040 and 2048 are, rows of 2056 are cut; K = 3 (16
+# packs) keeps rows up to 4096 whole. On the H200, B=2 and D=8192 keep rows whole where they may.
+@pytest.mark.parametrize("length", [2040, 2048, 2056])
+@pytest.mark.parametrize("width", [3, 4, 5])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dev", GPU)
+def test_channel_first_seq_idx_whole_row_items(dev, dtype, width, length):
+    rng = np.random.default_rng(length + width)
+    segment = segment_len(dtype) // 4
+    seq = packed_seq_idx(length, [5 * segment + 3, 17 * segment, 31 * segment + 1, length - 2])
+    args, seq_idx = inputs(rng, dtype, batch=2, length=length, channels=8192, width=width,
+                           layout="BDL", state=True, seq_idx=seq[1:3])
+    compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BDL", final="random")
 
 
 # Without seq_idx too the 16-bit backward, and the 16-bit forward at K >= 7 (compare checks y),
