@@ -543,9 +543,10 @@ constexpr int channel_first_backward_min_blocks() {
 // 16 packs.
 // With seq_idx, 16-bit K = 4 and 5 take a quarter-warp a row in segments of 8 packs, so that a
 // boundary masks 64 elements instead of 128 and an item's 4 channels take one turn of the warp
-// instead of two. On the H200 (thirty-fifth session, packed BDL bwd B=8 L=2048 D=4096, four
-// sequences, trace us) bf16 K = 4 took 126.3 -> 119.4, K = 5 135.1 -> 125.6, f16 K = 4 127.2 ->
-// 120.1; but K = 2, 3, 6 and 7 lost 1.2-1.9 us, so they keep half-warp rows.
+// instead of two. On the H200 (packed BDL bwd B=8 L=2048 D=4096, four sequences, trace us; the
+// thirty-seventh session) bf16 K = 4 took 126.8 -> 119.1, K = 5 135.3 -> 125.9, f16 K = 4 127.0 ->
+// 119.6, f16 K = 5 137.8 -> 126.7; at K = 2, 3, 6 and 7 the same rows lost 1.2-1.9 us (thirty-sixth
+// session), so those keep half-warp rows.
 template <typename T, int K, bool kMasked>
 constexpr int channel_first_backward_width() {
   if constexpr (kMasked && sizeof(T) < 4 && (K == 4 || K == 5)) return kLanes / 4;
