@@ -356,8 +356,9 @@ def check_cf_seq_idx(dev, dtype, width, state, channels, boundaries=None):
     np.testing.assert_array_equal(grads["x"][5], 0)  # the all-padding row
 
 
-# Enough rows that the GPU's items hold several segments: bf16, 16384 rows of 8 segments (whole
-# rows in the backward, halves in the forward); float32, 16 segments (halves in the forward).
+# Enough rows (16384) that the GPU's items hold several segments: in the forward, rows of 8
+# segments (bf16) or 16 (float32), in halves; in the backward, rows of 32 (bf16 K = 4's
+# quarter-warp segments, float32's half-warp ones), which an item may hold whole.
 LARGE_CF = [
     pytest.param(jnp.bfloat16, dict(batch=2, length=2048, channels=8192), id="bf16-8-segments"),
     pytest.param(jnp.float32, dict(batch=2, length=2048, channels=8192), id="f32-16-segments"),
