@@ -408,9 +408,12 @@ constexpr ItemKept channel_first_forward_kept() {
 // entries (so not f32, whose fours load_segments cannot halve; f32 halves have not been tried
 // since), which took about 120 instructions more an item of four rows of 16 segments at K = 6 and
 // 8, 80 at K = 7 (SASS, bf16 and f16: a ballot a segment, and turns for the odd channels).
+// Trial (thirty-seventh session): K = 4-5 too. A warp segment of the halves costs what a full one
+// does now (sm_90 bf16 K = 4, a turn of 4: 479 uniform, 717 masked, against 478 and 716), so the
+// halves only halve the masked share; no spill (bf16 K = 4 77 registers, f16 78, K = 5 79).
 template <typename T, int K, bool kMasked>
 constexpr bool channel_first_forward_halves() {
-  return kMasked && sizeof(T) == 2 && K >= 6;
+  return kMasked && sizeof(T) == 2 && K >= 4;
 }
 
 // Lanes a row's segment takes in the channel-first forward: 16 with the halves above and in the
