@@ -463,9 +463,11 @@ constexpr int channel_first_forward_item_channels() {
 // 2 rounds: at width 32, and at K = 8 left free (96 registers, 5 blocks); at its bound of 6
 // blocks (80 registers) the primed K = 8 takes 3 (2-2-4), and 2 without the priming: 87.1 ->
 // 86.5-87.0 us in the twenty-sixth session's traces (87.7-88.2 primed the session before).
+// Trial (thirty-seventh session): primed in the halves at K = 4-5, where uniform_segments' loop
+// keeps its 2 rounds of loads (sm_90 bf16 K = 4: [2, 6]; 79-80 registers, no spill).
 template <typename T, int K, bool kMasked>
 constexpr bool channel_first_forward_primes() {
-  return kMasked && !channel_first_forward_halves<T, K, kMasked>();
+  return kMasked && (K <= 5 || !channel_first_forward_halves<T, K, kMasked>());
 }
 
 // Whether the masked channel-first forward's blocks share the seq_idx check of whole rows
