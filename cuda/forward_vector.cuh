@@ -402,7 +402,13 @@ constexpr ItemKept channel_first_forward_kept() {
 // halves took K = 6 100.7 -> 94.6 and K = 8 110.0 -> 100.8, but K = 2 83.8 -> 84.9 and K = 4 83.8
 // -> 86.7 (f16 83.2 -> 86.3; 16-bit K = 4 also lost its kept rows, which spilled): where a uniform
 // segment is cheap, a run's fixed cost and the masked share weigh less than the halves' extra
-// shuffles and twice the uniform_segments checks. So K >= 6 only. The halves are
+// shuffles and twice the uniform_segments checks. So K >= 6 only, until the thirty-eighth
+// session: by then a warp segment of the halves cost what a full one does (sm_90 bf16 K = 4, a
+// turn of 4: 479 uniform, 717 masked, against 478 and 716), so at K = 4-5 the halves only halve the
+// masked share (no spill: bf16 K = 4 77 registers, f16 78, K = 5 79; primed, see below). H200
+// traces, packed BDL fwd bf16 B=8 L=2048 D=4096 (thirty-eighth session, us): K = 4 77.1 -> 74.4,
+// one sequence a row 75.0 -> 73.3, 16 sequences 87.3 -> 77.9, K = 5 79.8 -> 75.8, f16 K = 4 77.4
+// -> 74.3, f16 K = 5 84.0 -> 79.5, B=1 L=65536 291.4 -> 278.8, D = 256 9.5 -> 7.7. The halves are
 // for_each_channel_first_item's kWidth 16, as in the backward; until the twenty-second session the
 // kernel paired an item's channels itself, at width 32 with uniform_segments on packs of V / 2
 // entries (so not f32, whose fours load_segments cannot halve; f32 halves have not been tried
@@ -410,7 +416,7 @@ constexpr ItemKept channel_first_forward_kept() {
 // 8, 80 at K = 7 (SASS, bf16 and f16: a ballot a segment, and turns for the odd channels).
 template <typename T, int K, bool kMasked>
 constexpr bool channel_first_forward_halves() {
-  return kMasked && sizeof(T) == 2 && K >= 6;
+  return kMasked && sizeof(T) == 2 && K >= 4;
 }
 
 // Lanes a row's segment takes in the channel-first forward: 16 with the halves above and in the
@@ -459,10 +465,13 @@ constexpr int channel_first_forward_item_channels() {
 // (sm_90 SASS, twenty-fifth session's trial-prime67). Where the priming gained the loop kept its
 // 2 rounds: at width 32, and at K = 8 left free (96 registers, 5 blocks); at its bound of 6
 // blocks (80 registers) the primed K = 8 takes 3 (2-2-4), and 2 without the priming: 87.1 ->
-// 86.5-87.0 us in the twenty-sixth session's traces (87.7-88.2 primed the session before).
+// 86.5-87.0 us in the twenty-sixth session's traces (87.7-88.2 primed the session before). The
+// halves at K = 4-5 keep the loop's 2 rounds primed (sm_90 bf16 K = 4: 2, then 6; 79-80
+// registers, no spill), and gained by it: packed BDL fwd bf16 K = 4 unprimed 75.9, primed 74.4
+// us; K = 5 78.0 against 75.8; f16 K = 4 76.0 against 74.3 (H200, thirty-eighth session).
 template <typename T, int K, bool kMasked>
 constexpr bool channel_first_forward_primes() {
-  return kMasked && !channel_first_forward_halves<T, K, kMasked>();
+  return kMasked && (K <= 5 || !channel_first_forward_halves<T, K, kMasked>());
 }
 
 // Whether the masked channel-first forward's blocks share the seq_idx check of whole rows

@@ -456,7 +456,7 @@ def test_channel_first_seq_idx_two_segments(dev, dtype):
 
 # With seq_idx the channel-first kernels take two channels a warp, a half-warp each, over segments
 # of 16 packs (the backward at every dtype but 16-bit K = 4 and 5, the forward at 16 bits and
-# K >= 6), whose uniform_segments masks come two to a ballot of 32 packs: boundaries and padding
+# K >= 4), whose uniform_segments masks come two to a ballot of 32 packs: boundaries and padding
 # around those segments (the odd ones start in the middle of a 32-pack one), in single-segment
 # items (3 channels) and in whole rows (1023: items of 4 channels and a last one of 3, whose second
 # pair runs one channel in both halves), with an initial state and the final state's cotangent.
