@@ -377,18 +377,17 @@ constexpr bool channel_first_forward_final_state() {
 
 // What the masked channel-first forward keeps through an item's channels (ItemKept): the rows
 // where that fits the registers of channel_first_forward_min_blocks without spilling, else the
-// channel count. Keeping the rows, f32 K = 3-6, f16 K = 5 and bf16 K = 3 and 5 spilled 16-28
-// bytes, and f16 K = 6-7 and bf16 K = 6-8 took 106-114 registers (from 96, a block per SM fewer);
-// the others kept their registers (f16 K = 3 and f32 K = 7 one or two more, their blocks the
-// same). At bf16 K = 4 the item's channel loop outside its segment loop went from 1169 static
-// instructions (the channel count computed again) to 1085, its division chains gone.
+// channel count. Keeping the rows, f32 K = 3-6 and bf16 K = 3 spilled 16-28 bytes; the others kept
+// their registers (f16 K = 3 and f32 K = 7 one or two more, their blocks the same). At bf16 K = 4,
+// before its halves, the item's channel loop outside its segment loop went from 1169 static
+// instructions (the channel count computed again) to 1085, its division chains gone. The 16-bit
+// kernels at K >= 4 take an item in one turn of their halves (channel_first_forward_halves), so
+// they keep nothing through it.
 template <typename T, int K>
 constexpr ItemKept channel_first_forward_kept() {
   if constexpr (sizeof(T) == 4) return K == 2 || K >= 7 ? ItemKept::kRows : ItemKept::kChannels;
-  if constexpr (std::is_same_v<T, __half>) {
-    return K <= 4 || K == 8 ? ItemKept::kRows : ItemKept::kChannels;
-  }
-  return K == 2 || K == 4 ? ItemKept::kRows : ItemKept::kChannels;
+  if constexpr (std::is_same_v<T, __half>) return ItemKept::kRows;
+  return K == 2 ? ItemKept::kRows : ItemKept::kChannels;
 }
 
 // Whether the channel-first forward's warps take two rows at once, one in each half of 16 lanes, in
