@@ -21,11 +21,15 @@
 #   STEPS="variants" VARIANTS=". .variants/a .variants/b" BENCH_ARGS="--cases main,decode --impls ours,copy"
 #       A/B of source trees on one machine: each tree is built into its own directory (in
 #       parallel), then benchmarks/bench.py of this checkout times each build in turn, for
-#       VARIANT_ROUNDS rounds (default 2), so drift over the run shows as a round-to-round change
+#       VARIANT_ROUNDS rounds (default 2), so drift over the run shows as a round-to-round change.
+#       A variant that is a .patch file (benchmarks/trials/) is this checkout with the patch applied.
 #   VARIANT_TRACE="8,2048,4096 8,2048,256" (with STEPS="variants"): also, each round, each build's
 #       kernel times from a trace (profile_kernels.py --trace) at those B,L,D shapes, both
 #       layouts: steadier than the queued medians (seventeenth session: three rounds of a forward
 #       kernel within 0.1-0.3 us where the queued medians moved by 1-2 us)
+#   VARIANT_CASES="--layout BDL --features; --layout BDL --shape 8,2048,256" (with
+#       STEPS="variants"): traces of those profile_kernels.py argument sets (';' between them), after
+#       VARIANT_TRACE's; VARIANT_BENCH=0 leaves bench.py out, so that the rounds only trace
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 STEPS=${STEPS:-"build tests examples"}
@@ -40,6 +44,8 @@ SANITIZE=${SANITIZE:-"memcheck unvalidated racecheck"}
 VARIANTS=${VARIANTS:-.}
 VARIANT_ROUNDS=${VARIANT_ROUNDS:-2}
 VARIANT_TRACE=${VARIANT_TRACE:-}
+VARIANT_CASES=${VARIANT_CASES:-}
+VARIANT_BENCH=${VARIANT_BENCH:-1}
 export PYTHONUNBUFFERED=1
 summary=()
 
@@ -200,11 +206,38 @@ if step bench; then
 fi
 
 if step variants; then
-  variant_name() { [[ $1 == . ]] && echo main || basename "$1"; }
+  variant_name() { [[ $1 == . ]] && echo main || basename "$1" .patch; }
+  # The source tree of a variant: a patch applies to a copy of this checkout.
+  variant_tree() {
+    local name
+    [[ $1 == *.patch ]] || { echo "$1"; return; }
+    name=$(variant_name "$1")
+    rm -rf "/tmp/variant_src_$name" && mkdir -p "/tmp/variant_src_$name"
+    tar --exclude=./.git --exclude=./benchmarks/results -cf - . | tar -xf - -C "/tmp/variant_src_$name"
+    if command -v patch >/dev/null; then
+      patch -p1 -s -d "/tmp/variant_src_$name" <"$1" >&2 || return 1
+    else
+      git -C "/tmp/variant_src_$name" apply "$PWD/$1" >&2 || return 1
+    fi
+    echo "/tmp/variant_src_$name"
+  }
+  cases=()
+  for shape in $VARIANT_TRACE; do
+    for layout in BLD BDL; do cases+=("--layout $layout --shape $shape"); done
+  done
+  IFS=';' read -ra more_cases <<<"$VARIANT_CASES"
+  for case in "${more_cases[@]}"; do
+    read -ra words <<<"$case"  # trimmed
+    (( ${#words[@]} )) && cases+=("${words[*]}")
+  done
   t0=$SECONDS
   for tree in $VARIANTS; do
     name=$(variant_name "$tree")
-    (python3 -m pip install --no-build-isolation --no-deps --target "/tmp/variant_$name" "$tree" \
+    if ! source_tree=$(variant_tree "$tree"); then
+      summary+=("$name: patch did not apply")
+      continue
+    fi
+    (python3 -m pip install --no-build-isolation --no-deps --target "/tmp/variant_$name" "$source_tree" \
       >"/tmp/variant_build_$name.log" 2>&1 || tail -30 "/tmp/variant_build_$name.log") &
   done
   wait
@@ -214,21 +247,21 @@ if step variants; then
       name=$(variant_name "$tree")
       log="$OUT/bench_${name}.log"
       [[ -d /tmp/variant_$name/jax_causal_conv ]] || { summary+=("$name: build FAILED"); continue; }
-      echo "==== round $round" >>"$log"
-      # shellcheck disable=SC2086
-      PYTHONPATH="/tmp/variant_$name" python3 -P benchmarks/bench.py --out "/tmp/variant_out_$name" \
-        $BENCH_ARGS >>"$log" 2>&1
-      # per row of bench.md: case's first word (decode) and layout, implementation, op, queue / loop us
-      summary+=("round $round $name: $(awk -F' *[|] *' '$3 == "ours" || $3 == "copy" {
-        n = split($2, c, " "); printf "%s%s %s %s %s/%s; ", (c[1] == "decode" ? "dec " : ""), c[n],
-        $3, $4, $5, $6 }' "/tmp/variant_out_$name/bench.md")")
-      grep -E 'FAILED' "$log" | sed "s/^/$name: /" | head -5
-      for shape in $VARIANT_TRACE; do
-        for layout in BLD BDL; do
-          times=$(PYTHONPATH="/tmp/variant_$name" trace \
-            "$OUT/trace_${name}_${layout}_${shape//,/x}_$round.log" --layout "$layout" --shape "$shape")
-          summary+=("round $round $name trace $layout B,L,D=$shape, kernel us: $times")
-        done
+      if [[ $VARIANT_BENCH != 0 ]]; then
+        echo "==== round $round" >>"$log"
+        # shellcheck disable=SC2086
+        PYTHONPATH="/tmp/variant_$name" python3 -P benchmarks/bench.py --out "/tmp/variant_out_$name" \
+          $BENCH_ARGS >>"$log" 2>&1
+        # per row of bench.md: case's first word (decode) and layout, implementation, op, queue / loop us
+        summary+=("round $round $name: $(awk -F' *[|] *' '$3 == "ours" || $3 == "copy" {
+          n = split($2, c, " "); printf "%s%s %s %s %s/%s; ", (c[1] == "decode" ? "dec " : ""), c[n],
+          $3, $4, $5, $6 }' "/tmp/variant_out_$name/bench.md")")
+        grep -E 'FAILED' "$log" | sed "s/^/$name: /" | head -5
+      fi
+      for ((i = 0; i < ${#cases[@]}; i++)); do
+        # shellcheck disable=SC2086
+        times=$(PYTHONPATH="/tmp/variant_$name" trace "$OUT/trace_${name}_case${i}_$round.log" ${cases[i]})
+        summary+=("round $round $name trace ${cases[i]}, kernel us: $times")
       done
     done
   done
