@@ -207,13 +207,15 @@ fi
 
 if step variants; then
   variant_name() { [[ $1 == . ]] && echo main || basename "$1" .patch; }
-  # The source tree of a variant: a patch applies to a copy of this checkout.
+  # The source tree of a variant: a patch applies to a copy of this checkout, without its build
+  # folder (scikit-build-core's build-dir, whose CMake cache names this checkout's path).
   variant_tree() {
     local name
     [[ $1 == *.patch ]] || { echo "$1"; return; }
     name=$(variant_name "$1")
     rm -rf "/tmp/variant_src_$name" && mkdir -p "/tmp/variant_src_$name"
-    tar --exclude=./.git --exclude=./benchmarks/results -cf - . | tar -xf - -C "/tmp/variant_src_$name"
+    tar --exclude=./.git --exclude=./build --exclude=./benchmarks/results -cf - . |
+      tar -xf - -C "/tmp/variant_src_$name"
     if command -v patch >/dev/null; then
       patch -p1 -s -d "/tmp/variant_src_$name" <"$1" >&2 || return 1
     else
