@@ -235,6 +235,8 @@ if step variants; then
   t0=$SECONDS
   for tree in $VARIANTS; do
     name=$(variant_name "$tree")
+    # A warm machine keeps an earlier call's builds, and pip --target does not replace them.
+    rm -rf "/tmp/variant_$name"
     if ! source_tree=$(variant_tree "$tree"); then
       summary+=("$name: patch did not apply")
       continue
