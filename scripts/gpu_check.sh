@@ -216,11 +216,7 @@ if step variants; then
     rm -rf "/tmp/variant_src_$name" && mkdir -p "/tmp/variant_src_$name"
     tar --exclude=./.git --exclude=./build --exclude=./benchmarks/results -cf - . |
       tar -xf - -C "/tmp/variant_src_$name"
-    if command -v patch >/dev/null; then
-      patch -p1 -s -d "/tmp/variant_src_$name" <"$1" >&2 || return 1
-    else
-      git -C "/tmp/variant_src_$name" apply "$PWD/$1" >&2 || return 1
-    fi
+    patch -p1 -s -d "/tmp/variant_src_$name" <"$1" >&2 || return 1
     echo "/tmp/variant_src_$name"
   }
   cases=()
