@@ -22,7 +22,8 @@
 #       A/B of source trees on one machine: each tree is built into its own directory (in
 #       parallel), then benchmarks/bench.py of this checkout times each build in turn, for
 #       VARIANT_ROUNDS rounds (default 2), so drift over the run shows as a round-to-round change.
-#       A variant that is a .patch file (benchmarks/trials/) is this checkout with the patch applied.
+#       A variant that is a .patch file (benchmarks/trials/) is this checkout with the patch applied;
+#       a.patch+b.patch applies both, in that order (a build named a+b).
 #   VARIANT_TRACE="8,2048,4096 8,2048,256" (with STEPS="variants"): also, each round, each build's
 #       kernel times from a trace (profile_kernels.py --trace) at those B,L,D shapes, both
 #       layouts: steadier than the queued medians (seventeenth session: three rounds of a forward
@@ -32,6 +33,7 @@
 #       VARIANT_TRACE's; VARIANT_BENCH=0 leaves bench.py out, so that the rounds only trace
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
 STEPS=${STEPS:-"build tests examples"}
 PYTEST_ARGS=${PYTEST_ARGS:-tests}
 PYTEST_JOBS=${PYTEST_JOBS:-1}
@@ -206,17 +208,29 @@ if step bench; then
 fi
 
 if step variants; then
-  variant_name() { [[ $1 == . ]] && echo main || basename "$1" .patch; }
-  # The source tree of a variant: a patch applies to a copy of this checkout, without its build
-  # folder (scikit-build-core's build-dir, whose CMake cache names this checkout's path).
+  # A variant's name: main for this checkout, else its patches' names joined by '+'.
+  variant_name() {
+    [[ $1 == . ]] && { echo main; return; }
+    [[ $1 == *.patch ]] || { basename "$1"; return; }
+    local part names=()
+    IFS='+' read -ra parts <<<"$1"
+    for part in "${parts[@]}"; do names+=("$(basename "$part" .patch)"); done
+    (IFS='+'; echo "${names[*]}")
+  }
+  # The source tree of a variant: patches (a.patch+b.patch applies both, in that order) apply to
+  # a copy of this checkout, without its build folder (scikit-build-core's build-dir, whose CMake
+  # cache names this checkout's path).
   variant_tree() {
-    local name
+    local name part
     [[ $1 == *.patch ]] || { echo "$1"; return; }
     name=$(variant_name "$1")
     rm -rf "/tmp/variant_src_$name" && mkdir -p "/tmp/variant_src_$name"
     tar --exclude=./.git --exclude=./build --exclude=./benchmarks/results -cf - . |
       tar -xf - -C "/tmp/variant_src_$name"
-    patch -p1 -s -d "/tmp/variant_src_$name" <"$1" >&2 || return 1
+    IFS='+' read -ra parts <<<"$1"
+    for part in "${parts[@]}"; do
+      patch -p1 -s --no-backup-if-mismatch -d "/tmp/variant_src_$name" <"$part" >&2 || return 1
+    done
     echo "/tmp/variant_src_$name"
   }
   cases=()
