@@ -23,7 +23,8 @@
 #       parallel), then benchmarks/bench.py of this checkout times each build in turn, for
 #       VARIANT_ROUNDS rounds (default 2), so drift over the run shows as a round-to-round change.
 #       A variant that is a .patch file (benchmarks/trials/) is this checkout with the patch applied;
-#       a.patch+b.patch applies both, in that order (a build named a+b).
+#       a.patch+b.patch applies both, in that order (a build named a_b, so that the names of its
+#       files in $OUT keep to plain characters).
 #   VARIANT_TRACE="8,2048,4096 8,2048,256" (with STEPS="variants"): also, each round, each build's
 #       kernel times from a trace (profile_kernels.py --trace) at those B,L,D shapes, both
 #       layouts: steadier than the queued medians (seventeenth session: three rounds of a forward
@@ -208,14 +209,14 @@ if step bench; then
 fi
 
 if step variants; then
-  # A variant's name: main for this checkout, else its patches' names joined by '+'.
+  # A variant's name: main for this checkout, else its patches' names joined by '_'.
   variant_name() {
     [[ $1 == . ]] && { echo main; return; }
     [[ $1 == *.patch ]] || { basename "$1"; return; }
     local part names=()
     IFS='+' read -ra parts <<<"$1"
     for part in "${parts[@]}"; do names+=("$(basename "$part" .patch)"); done
-    (IFS='+'; echo "${names[*]}")
+    (IFS='_'; echo "${names[*]}")
   }
   # The source tree of a variant: patches (a.patch+b.patch applies both, in that order) apply to
   # a copy of this checkout, without its build folder (scikit-build-core's build-dir, whose CMake
