@@ -213,7 +213,7 @@ if step variants; then
   variant_name() {
     [[ $1 == . ]] && { echo main; return; }
     [[ $1 == *.patch ]] || { basename "$1"; return; }
-    local part names=()
+    local part parts names=()
     IFS='+' read -ra parts <<<"$1"
     for part in "${parts[@]}"; do names+=("$(basename "$part" .patch)"); done
     (IFS='_'; echo "${names[*]}")
@@ -222,7 +222,7 @@ if step variants; then
   # a copy of this checkout, without its build folder (scikit-build-core's build-dir, whose CMake
   # cache names this checkout's path).
   variant_tree() {
-    local name part
+    local name part parts
     [[ $1 == *.patch ]] || { echo "$1"; return; }
     name=$(variant_name "$1")
     rm -rf "/tmp/variant_src_$name" && mkdir -p "/tmp/variant_src_$name"
