@@ -60,10 +60,11 @@ __device__ __forceinline__ void load_param_rows(const ConvParams& p, const RowOf
 }
 
 // The K weights and the bias of one params row (a channel-first item's or lane's) as column 0.
-template <typename T, int K>
+// kPredicatedBias as in load_param_rows.
+template <typename T, bool kPredicatedBias = false, int K>
 __device__ __forceinline__ void load_param_row(const ConvParams& p, int64_t row,
                                                float (&w)[K][1], float (&bias)[1]) {
-  load_param_rows<T>(p, [&](int) { return row; }, w, bias);
+  load_param_rows<T, kPredicatedBias>(p, [&](int) { return row; }, w, bias);
 }
 
 // The K weights and the bias of channels d0 .. d0 + C - 1 for batch row b.
@@ -529,24 +530,34 @@ struct ChannelFirstCarry {
 
   // The P inputs before time t of a row (x_row: its L inputs, L >= P; state_row: its P
   // initial-state values, or nullptr for zeros): the carry into the segment that starts at t.
-  // kAtOnce: each value loaded whether a zero replaces it or not (x_row[0] standing in for a
-  // missing state), so that the P loads issue in one round. Otherwise ptxas put each load and
-  // its widening in a branch of its own, P dependent rounds before the run's first fetch (the
-  // masked bf16 K = 4 backward with an initial state, SASS). With dS's and dF's loads also in one
-  // round, the packed BDL bwd's H200 trace went 132.8 -> 128.6 us (twenty-seventh session).
+  // One value at a time, ptxas put each load and its widening in a branch of its own: P dependent
+  // rounds before the item's first segment (the masked bf16 K = 4 backward with an initial state,
+  // SASS). kAtOnce: the P loads in one round where items start, at a row's first time (the
+  // state's, or none) and at P or more into it (x_row's), each case a branch of its own on values
+  // that an item shares. A select per value with x_row[0] standing in for a missing state (the
+  // twenty-seventh session's form, whose packed BDL bwd went 132.8 -> 128.6 us on the H200 with
+  // dS's and dF's loads in one round) still widened each load into one register before the next
+  // load: P rounds (sm_90 SASS, fortieth session).
   template <bool kAtOnce = false, typename T>
   __device__ __forceinline__ void load(const T* x_row, const T* state_row, int64_t t) {
+    if constexpr (kAtOnce) {
+      if (t >= P) {
+        for (int j = 0; j < P; ++j) x[j] = static_cast<float>(x_row[t - P + j]);
+        return;
+      }
+      if (t == 0 && state_row == nullptr) {
+        for (int j = 0; j < P; ++j) x[j] = 0.0f;
+        return;
+      }
+      if (t == 0) {
+        for (int j = 0; j < P; ++j) x[j] = static_cast<float>(state_row[j]);
+        return;
+      }
+    }
     for (int j = 0; j < P; ++j) {
       const int64_t u = t - P + j;
-      if constexpr (kAtOnce) {
-        const bool zero = u < 0 && state_row == nullptr;
-        const T* const from = u >= 0 ? x_row + u : zero ? x_row : state_row + (u + P);
-        const float value = static_cast<float>(*from);
-        x[j] = zero ? 0.0f : value;
-      } else {
-        x[j] = u >= 0 ? static_cast<float>(x_row[u])
-                      : (state_row == nullptr ? 0.0f : static_cast<float>(state_row[u + P]));
-      }
+      x[j] = u >= 0 ? static_cast<float>(x_row[u])
+                    : (state_row == nullptr ? 0.0f : static_cast<float>(state_row[u + P]));
     }
   }
 

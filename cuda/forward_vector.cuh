@@ -473,6 +473,20 @@ constexpr bool channel_first_forward_primes() {
   return kMasked && (K <= 5 || !channel_first_forward_halves<T, K, kMasked>());
 }
 
+// Whether the channel-first forward fetches an item's first packs before loading its params, the
+// bias by a predicated load beside the weights and the carry in one round, as the backward does
+// (backward_channel_first_kernel), so that an item's start waits for one memory round, not three
+// in series (ncu per SASS line, thirty-eighth session: the plain forward's two waits on its
+// params held 15% of its stall samples). Not with seq_idx, where the same order spilled 4-28
+// bytes in six kernels, nor at float32 K = 3 and 7 and bf16 K = 7, where it took 48 -> 54, 48 -> 50
+// and 48 -> 53 registers, 10 blocks per SM to 9 (sm_90 ptxas).
+template <typename T, int K, bool kMasked>
+constexpr bool channel_first_forward_fetches_first() {
+  if constexpr (kMasked) return false;
+  if constexpr (sizeof(T) == 4) return K != 3 && K != 7;
+  return !std::is_same_v<T, __nv_bfloat16> || K != 7;
+}
+
 // Whether the masked channel-first forward's blocks share the seq_idx check of whole rows
 // (for_each_channel_first_item's kShareCheck). On the H200 (thirty-second session, packed BDL fwd
 // bf16 B=8 L=2048 D=4096, trace us) it took K = 4 79.2-79.8 -> 77.2-77.4 at one and four
@@ -562,14 +576,17 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
   const auto run = [&](const ChannelFirstItem& item, UniformSegments masks, auto silu, bool next) {
     const int64_t lane_at = lane_at_of(item), lane_end = lane_end_of(item);
     const int32_t* segment_row = kMasked ? p.seq_idx + item.b * p.length : nullptr;
+    // See channel_first_forward_fetches_first.
+    constexpr bool kFirst = channel_first_forward_fetches_first<T, K, kMasked>();
+    if (kFirst) fetch_first(lane_at, lane_end, item.c0);
     float w[K][1], bias[1];
-    load_param_row<T>(p, item.param_row, w, bias);
+    load_param_row<T, kFirst>(p, item.param_row, w, bias);
     ChannelFirstCarry<K> carry;
-    carry.load(x + item.row * p.length,
-               p.initial_state == nullptr
-                   ? nullptr
-                   : static_cast<const T*>(p.initial_state) + item.row * P,
-               item.c0);
+    carry.template load<kFirst>(x + item.row * p.length,
+                                p.initial_state == nullptr
+                                    ? nullptr
+                                    : static_cast<const T*>(p.initial_state) + item.row * P,
+                                item.c0);
     // The lane's packs of the next kAhead segments, in the ring's slots. turn_step is the ring step
     // of the next turn's first segment: with turns of kTurn = kRing it stays 0 through them (the
     // item's segment j in slot j), so that their slots are immediates, and the single segments
@@ -583,7 +600,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_forward_min_blocks<T, K, k
       x_ring.fetch(step, x + lane_at + s, s < lane_end);
       ring_commit();
     };
-    if (!primed) fetch_first(lane_at, lane_end, item.c0);
+    if (!kFirst && !primed) fetch_first(lane_at, lane_end, item.c0);
     // With chain, the item's last kAhead segments fetch the next channel's first ones (all whole:
     // the item has kRing segments or more) into the ring steps from end_step on, after this
     // channel's last, which are the slots of the next channel's first segments where the item's
