@@ -32,6 +32,9 @@
 #   VARIANT_CASES="--layout BDL --features; --layout BDL --shape 8,2048,256" (with
 #       STEPS="variants"): traces of those profile_kernels.py argument sets (';' between them), after
 #       VARIANT_TRACE's; VARIANT_BENCH=0 leaves bench.py out, so that the rounds only trace
+#   PYTHONPATH=/tmp/variant_a STEPS="tests examples determinism sanitizer" scripts/gpu_check.sh
+#       a build the variants step left on a machine still warm, tested in place: without the build
+#       step every step imports the package from PYTHONPATH (forty-first session)
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
