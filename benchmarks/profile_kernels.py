@@ -18,6 +18,10 @@ and the span of a call (first kernel's start to last kernel's end) is the op's d
 
     python3 benchmarks/profile_kernels.py --shape 8,2048,256 --trace 50
 
+For an op of more than one kernel a call, a last line gives the spans' least and greatest and the
+device's idle time between a call's kernels (median, 90th percentile, greatest): where the span
+moves and the kernels' medians do not, the launches' gap moved.
+
 With --update, the decode step instead (one token a row, shift mode, the state donated and passed
 from call to call, as bench.py's decode case; --shape B,1,D) and a copy of its bytes; without
 --trace, three steps for ncu (scripts/ncu_main.sh with UPDATE=1):
@@ -106,17 +110,38 @@ def kernel_times(trace_dir: pathlib.Path) -> tuple[dict[str, list[float]], list[
     return durations_by_name(kernels), rows
 
 
-def call_spans(kernels: list[dict], calls: int) -> list[float]:
-    """The device span of each of `calls` calls, from its first kernel's start to its last
-    kernel's end, the calls' kernels being kernel_events' launches taken in order, as many for
-    each call; empty where they do not split evenly. A kernel placed before the one before it
-    ends (a programmatic dependent launch, whose trace time includes its wait) counts once here,
-    where the sum of kernel times counts the overlap twice."""
+def call_groups(kernels: list[dict], calls: int) -> list[list[dict]]:
+    """kernel_events' launches split into `calls` calls in order, as many for each; empty where
+    they do not split evenly."""
     if calls <= 0 or not kernels or len(kernels) % calls:
         return []
     per_call = len(kernels) // calls
-    groups = [kernels[i:i + per_call] for i in range(0, len(kernels), per_call)]
-    return [max(k["ts"] + k["dur"] for k in g) - g[0]["ts"] for g in groups]
+    return [kernels[i:i + per_call] for i in range(0, len(kernels), per_call)]
+
+
+def call_spans(kernels: list[dict], calls: int) -> list[float]:
+    """The device span of each of `calls` calls, from its first kernel's start to its last
+    kernel's end, its kernels as call_groups takes them. A kernel placed before the one before it
+    ends (a programmatic dependent launch, whose trace time includes its wait) counts once here,
+    where the sum of kernel times counts the overlap twice."""
+    return [max(k["ts"] + k["dur"] for k in g) - g[0]["ts"] for g in call_groups(kernels, calls)]
+
+
+def call_idle(kernels: list[dict], calls: int) -> list[float]:
+    """The device time of each call (grouped as in call_spans) in which none of its kernels runs:
+    its span less the union of its kernels' intervals. A backward's reduction that starts late
+    after the backward kernel (a launch gap, seen at D = 256 as spans of 10.8-21.3 us over runs
+    whose kernels' medians stayed within 0.1 us, forty-first session) shows here and not in the
+    kernels' times."""
+    idle = []
+    for group in call_groups(kernels, calls):
+        group = sorted(group, key=lambda k: k["ts"])
+        gap, reach = 0.0, group[0]["ts"]
+        for k in group:
+            gap += max(0.0, k["ts"] - reach)
+            reach = max(reach, k["ts"] + k["dur"])
+        idle.append(gap)
+    return idle
 
 
 def short_name(name: str) -> str:
@@ -155,6 +180,12 @@ def trace_ops(ops: dict, calls: int) -> None:
             total = statistics.median(spans)
             span_label = "(span of a call: first start to last end)"
             print(f"{label:10} {span_label:48} {'':8} {total:10.2f}")
+            if len(kernels) > calls:  # more than one kernel a call: the gaps between them
+                idle = sorted(call_idle(kernels, calls))
+                spread = (f"span min {min(spans):.2f} max {max(spans):.2f}; idle median "
+                          f"{statistics.median(idle):.2f} p90 {idle[(len(idle) * 9) // 10]:.2f} "
+                          f"max {idle[-1]:.2f}")
+                print(f"{label:10} {'(device idle between its kernels)':48} {'':8} {spread}")
         totals.append(f"{label} {total:.2f}")
     print("totals (us per call): " + (", ".join(totals) or "none"))
 

@@ -221,3 +221,19 @@ def test_profile_call_spans():
     assert profile.call_spans(kernels[:3], 2) == []  # the calls' kernels do not split evenly
     assert profile.call_spans([launch("copy", 5.0, 3.0)], 1) == [3.0]
     assert profile.call_spans([], 1) == []
+
+
+def test_profile_call_idle():
+    """The idle time of a call is its span less the union of its kernels' intervals: an overlap
+    (a dependent kernel placed early) counts nothing, a gap between kernels counts in full."""
+    profile = load_script("profile_kernels")
+
+    def launch(name, ts, dur):
+        return {"name": name, "ts": ts, "dur": dur}
+
+    kernels = [launch("bwd", 0.0, 10.0), launch("reduce", 2.0, 9.5),  # overlapping: no idle
+               launch("bwd", 20.0, 9.0), launch("reduce", 32.5, 2.0),  # 3.5 us between them
+               launch("reduce", 45.0, 2.0), launch("bwd", 40.0, 4.0)]  # out of order: 1 us
+    assert profile.call_idle(kernels, 3) == [0.0, 3.5, 1.0]
+    assert profile.call_idle(kernels[:5], 3) == []
+    assert profile.call_idle([launch("copy", 5.0, 3.0)], 1) == [0.0]
