@@ -206,13 +206,15 @@ def test_profile_trace_parsing(tmp_path):
     assert profile.short_name(kernel) == "reduce_partials_kernel"
 
 
+def launch(name: str, ts: float, dur: float) -> dict:
+    """A kernel launch as profile_kernels.kernel_events gives it (times in us)."""
+    return {"name": name, "ts": ts, "dur": dur}
+
+
 def test_profile_call_spans():
     """A call's span runs from its first kernel's start to its last kernel's end, so a dependent
     kernel placed while the one before it runs (its trace time holding the wait) counts once."""
     profile = load_script("profile_kernels")
-
-    def launch(name, ts, dur):
-        return {"name": name, "ts": ts, "dur": dur}
 
     # two calls of a backward (10 us) and its reduction, placed 2 us in, ending 1.5 us after it
     kernels = [launch("bwd", 0.0, 10.0), launch("reduce", 2.0, 9.5),
@@ -227,9 +229,6 @@ def test_profile_call_idle():
     """The idle time of a call is its span less the union of its kernels' intervals: an overlap
     (a dependent kernel placed early) counts nothing, a gap between kernels counts in full."""
     profile = load_script("profile_kernels")
-
-    def launch(name, ts, dur):
-        return {"name": name, "ts": ts, "dur": dur}
 
     kernels = [launch("bwd", 0.0, 10.0), launch("reduce", 2.0, 9.5),  # overlapping: no idle
                launch("bwd", 20.0, 9.0), launch("reduce", 32.5, 2.0),  # 3.5 us between them
