@@ -188,15 +188,15 @@ void launch_reduce(cudaStream_t stream, const ConvParams& p, const A* partials,
 
 // Time steps per thread (a tile) for the channel-last backward, whose threads each stream one
 // column (batch row, channel pack) over a tile of the time axis: the longest tiles (at least
-// min_steps; the launch passes kTileLen, as the workspace holds tile_count(L) slices a row) that
-// still make kBackwardMinThreads threads, or `resident` where the device holds fewer. Each tile
-// adds a prologue and a slice of dw/db partials (written, then read by the reduction; measured
-// before the launch grouped tiles into slices, see kSliceTiles), and more threads than that did
-// not move the bytes faster. On the H200, main workload (bf16 B=8 L=2048 D=4096 K=4, 8192
-// columns; kernel + reduction, us): 256-step tiles (65536 threads, about one wave) 116.4-117.2,
-// 384 122.8, 512 (32768 threads) 113.1-113.4, 1024 139.5, 2048 243; D=8192: 512 217.2, 1024
-// (32768 threads) 215.2, 2048 268.8; B=1 L=65536: 1024 421, 2048 (32768 threads) 414.8, 4096
-// 527.5 (benchmarks/RESULTS.md, fifteenth session).
+// min_steps, which the workspace bounds; see the launch) that still make kBackwardMinThreads
+// threads, or `resident` where the device holds fewer. Each tile adds a prologue and a slice of
+// dw/db partials (written, then read by the reduction; measured before the launch grouped tiles
+// into slices, see kSliceTiles), and more threads than that did not move the bytes faster. On
+// the H200, main workload (bf16 B=8 L=2048 D=4096 K=4, 8192 columns; kernel + reduction, us):
+// 256-step tiles (65536 threads, about one wave) 116.4-117.2, 384 122.8, 512 (32768 threads)
+// 113.1-113.4, 1024 139.5, 2048 243; D=8192: 512 217.2, 1024 (32768 threads) 215.2, 2048 268.8;
+// B=1 L=65536: 1024 421, 2048 (32768 threads) 414.8, 4096 527.5 (benchmarks/RESULTS.md,
+// fifteenth session).
 constexpr int64_t kBackwardMinThreads = 32768;
 inline int64_t steps_per_thread(int64_t columns, int64_t length, int64_t resident,
                                 int64_t min_steps) {
@@ -218,12 +218,21 @@ PartialSlices launch_vector_backward(cudaStream_t stream, const ConvParams& p, f
     constexpr int C = channels_per_thread<T, K, kBackwardBudget>();
     constexpr auto kernel = backward_channel_last_kernel<T, K, kMasked>;
     const int64_t packs = p.channels / C, columns = p.batch * packs;
+    // The workspace holds tile_count(L) slices a row, enough for kTileLen-step tiles ungrouped
+    // and for tiles down to kTileLen / kSliceTiles grouped (a slice per kSliceTiles tiles), which
+    // a row whose packs are whole runs of 32 may take. There few columns get tiles down to 32
+    // steps: B=8 L=2048 D=256 bf16 K = 4 (512 columns) runs 256 blocks, not 128. H100 traces,
+    // BLD bwd kernel (forty-second session, us): with seq_idx and states 17.0 -> 15.45, without
+    // 11.0-11.1 -> 10.9-11.0; 16-step tiles (512 blocks) took 12.3-12.4 without.
+    const bool whole_runs = packs % kLanes == 0;
     const int64_t tile_len =
-        steps_per_thread(columns, p.length, resident_threads<kernel>(kBackwardThreads), kTileLen);
+        steps_per_thread(columns, p.length, resident_threads<kernel>(kBackwardThreads),
+                         whole_runs ? kTileLen / 2 : kTileLen);
     const int64_t tiles = (p.length + tile_len - 1) / tile_len;
     // A slice per kSliceTiles tiles where a row's packs are whole runs of 32 and there are that
-    // many tiles (with fewer, most of a block's warps would idle to save a slice or two).
-    const bool grouped = packs % kLanes == 0 && tiles >= kSliceTiles;
+    // many tiles (with fewer, most of a block's warps would idle to save a slice or two), or the
+    // tiles are shorter than kTileLen (the workspace holds their slices only grouped).
+    const bool grouped = whole_runs && (tiles >= kSliceTiles || tile_len < kTileLen);
     const int64_t slices = grouped ? (tiles + kSliceTiles - 1) / kSliceTiles : tiles;
     const int64_t threads = columns * (grouped ? slices * kSliceTiles : tiles);
     const int64_t blocks =
