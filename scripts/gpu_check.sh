@@ -6,7 +6,10 @@
 #   STEPS="build tests sanitizer" scripts/gpu_check.sh
 #   STEPS="build sanitizer" SANITIZE=memcheck scripts/gpu_check.sh  # which sanitizer runs, of
 #       "memcheck unvalidated racecheck" (default: all three; on the H200 memcheck over
-#       sanitizer_cases.py took 91-104 s, racecheck reached 11 of its 19 cases in 184 s)
+#       sanitizer_cases.py took 91-104 s, racecheck reached 11 of its 19 cases in 184 s; on an
+#       H100 racecheck reached 20 of 45 in 400 s, forty-second session)
+#   SANITIZE=racecheck SANITIZE_START=20 ...  # memcheck and racecheck over sanitizer_cases.py
+#       from case 20 on (where an earlier call stopped)
 #   STEPS="build determinism extreme" scripts/gpu_check.sh   # issue 7: 1000-run determinism, extreme sizes
 #   EXTREME_ARGS="--only K=256" DETERMINISM_ARGS="--runs 100"  # extra arguments for those two scripts
 #   PYTEST_ARGS="tests/test_backward.py -k determinism" scripts/gpu_check.sh
@@ -135,7 +138,7 @@ if step sanitizer; then
   # (tests/GPU.md, seventh session: after cases 4, 5 and 12 in three runs, no finding reported
   # before): a run that dies resumes at the case it was in (--start), up to 3 times.
   sanitize_cases() {  # tool, log
-    local start=0 crashes=0 rc summaries total
+    local first=${SANITIZE_START:-0} start=${SANITIZE_START:-0} crashes=0 rc summaries total
     : >"$2"
     while true; do
       XLA_PYTHON_CLIENT_PREALLOCATE=false compute-sanitizer --tool "$1" "${filter[@]}" \
@@ -143,13 +146,13 @@ if step sanitizer; then
       rc=$?
       (( rc == 139 && crashes < 3 )) || break
       crashes=$((crashes + 1))
-      start=$(grep -cE ' ok$' "$2")
+      start=$((first + $(grep -cE ' ok$' "$2")))
       echo "==== resumed at case $start after a sanitizer crash" >>"$2"
     done
     summaries=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$2" | sed 's/^=* *//' | sort | uniq -c |
       tr -s ' ' | tr '\n' ';')
     total=$(grep -oE 'of [0-9]+ cases' "$2" | head -1 | cut -d' ' -f2)
-    summary+=("compute-sanitizer $1 ${filter[*]} scripts/sanitizer_cases.py: exit $rc, $(grep -cE ' ok$' "$2") of ${total:-?} cases ok, $crashes sanitizer crashes resumed; summaries:${summaries:- none}")
+    summary+=("compute-sanitizer $1 ${filter[*]} scripts/sanitizer_cases.py --start $first: exit $rc, $(grep -cE ' ok$' "$2") of ${total:-?} cases ok, $crashes sanitizer crashes resumed; summaries:${summaries:- none}")
   }
   wanted() { [[ " $SANITIZE " == *" $1 "* ]]; }
   if wanted memcheck; then

@@ -15,6 +15,9 @@
 #                               # 0: the states without seq_idx)
 #   EXTRA_METRICS=lts__t_sectors_srcunit_tex_op_read.sum,... scripts/ncu_main.sh DIR  # more
 #       metrics in the CSV (the summary below prints the usual ones)
+#   CACHE=none SHAPE=8,2048,256 scripts/ncu_main.sh DIR  # keep the caches between replays: ncu
+#       flushes them by default, where the traces' back-to-back calls at D = 256 (three 8 MB
+#       tensors against 50 MB of L2) may find their operands in the L2 (the summary's l2 hit %)
 # KERNELS (a regex) sets the filter; '.' also profiles every kernel JAX runs while starting and
 # compiling, and did not finish the first layout in 200 s (tests/GPU.md, eighth session). Even a
 # narrow filter takes minutes to reach our kernels (one layout, two kernels: about 3 minutes in
@@ -36,7 +39,7 @@ fi
 metrics=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
 metrics+=,sm__throughput.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active
 metrics+=,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,smsp__inst_executed.sum
-metrics+=,launch__grid_size,dram__bytes_read.sum,dram__bytes_write.sum
+metrics+=,launch__grid_size,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct
 [[ -n ${EXTRA_METRICS:-} ]] && metrics+=,$EXTRA_METRICS
 if [[ ${STALLS:-0} == 1 ]]; then
   for reason in barrier branch_resolving dispatch_stall drain imc_miss lg_throttle long_scoreboard \
@@ -47,7 +50,7 @@ if [[ ${STALLS:-0} == 1 ]]; then
 fi
 for layout in ${LAYOUTS:-BLD BDL}; do
   csv="$out/ncu_$layout.csv"
-  ncu --clock-control none --kernel-name regex:"$kernels" --metrics "$metrics" --csv \
+  ncu --clock-control none --cache-control "${CACHE:-all}" --kernel-name regex:"$kernels" --metrics "$metrics" --csv \
     python3 benchmarks/profile_kernels.py "${mode[@]}" --layout "$layout" --shape "$shape" --width "${WIDTH:-4}" >"$csv" 2>"$out/ncu_$layout.log"
   echo "ncu $layout $shape K=${WIDTH:-4}: exit $? ($(grep -c '^"' "$csv") rows)"
   python3 - "$csv" <<'PY'
@@ -66,6 +69,7 @@ for launch_id, m in sorted(launches.items(), key=lambda item: int(item[0])):
     name = m["name"].replace("(anonymous namespace)::", "").removeprefix("void ").split("(")[0].removeprefix("causal_conv::")[:60]
     print(f"  {launch_id:>4} {name:60} {m.get('gpu__time_duration.sum', '?'):>9} ns  grid {m.get('launch__grid_size', '?'):>7}"
           f"  dram {m.get('dram__throughput.avg.pct_of_peak_sustained_elapsed', '?'):>6}%"
+          f"  l2 hit {m.get('lts__t_sector_hit_rate.pct', '?')}%"
           f"  regs {m.get('launch__registers_per_thread', '?')}"
           f"  dram read {m.get('dram__bytes_read.sum', '?')} {units.get('dram__bytes_read.sum', '')}"
           f" write {m.get('dram__bytes_write.sum', '?')} {units.get('dram__bytes_write.sum', '')}")
