@@ -220,10 +220,10 @@ PartialSlices launch_vector_backward(cudaStream_t stream, const ConvParams& p, f
     const int64_t packs = p.channels / C, columns = p.batch * packs;
     // The workspace holds tile_count(L) slices a row, enough for kTileLen-step tiles ungrouped
     // and for tiles down to kTileLen / kSliceTiles grouped (a slice per kSliceTiles tiles), which
-    // a row whose packs are whole runs of 32 may take. There few columns get tiles down to 32
-    // steps: B=8 L=2048 D=256 bf16 K = 4 (512 columns) runs 256 blocks, not 128. H100 traces,
-    // BLD bwd kernel (forty-second session, us): with seq_idx and states 17.0 -> 15.45, without
-    // 11.0-11.1 -> 10.9-11.0; 16-step tiles (512 blocks) took 12.3-12.4 without.
+    // a row whose packs are whole runs of 32 may take. Such rows go down to 32-step tiles where
+    // columns are few: B=8 L=2048 D=256 bf16 K = 4 (512 columns) runs 256 blocks, not 128.
+    // H100 traces, BLD bwd kernel (forty-second session, us): with seq_idx and states 17.0 ->
+    // 15.45, without 11.0-11.1 -> 10.9-11.0; 16-step tiles (512 blocks) took 12.3-12.4 without.
     const bool whole_runs = packs % kLanes == 0;
     const int64_t tile_len =
         steps_per_thread(columns, p.length, resident_threads<kernel>(kBackwardThreads),
