@@ -50,7 +50,7 @@ CASES = [
     (2, 600, 128, 3, "BLD", jnp.float32, 7, True),
     (1, 4096, 512, 4, "BDL", jnp.bfloat16, 12, True),
     # channel-last backward blocks whose warps share a run of 32 packs over 4 tiles and sum dw/db
-    # in shared memory: whole groups of tiles, and a last group of 2 tiles with seq_idx
+    # in shared memory: whole groups of tiles, and a last group of 3 tiles with seq_idx
     (2, 1024, 256, 4, "BLD", jnp.bfloat16, 0, True),
     (1, 600, 512, 3, "BLD", jnp.float16, 3, False),
     # 16-bit channel-last backward at K >= 5, which reads the next step's rows one step early

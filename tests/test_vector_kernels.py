@@ -84,9 +84,10 @@ def test_large(dev, layout, shape, masked):
 
 def boundary_rows(length: int, width: int, rng) -> np.ndarray:
     """Four packed rows of `length` ids for the channel-last kernels' windows of width K (P = K - 1
-    steps back). Small problems take forward pieces of 32 steps and backward tiles of 64, and the
-    kernels check their steps 32 at a time, so boundaries fall on multiples of 32 and 1 and P - 1
-    steps after them (segments shorter than P among them), and in the P steps after a tile.
+    steps back). Small problems take forward pieces of 32 steps and backward tiles of 64 (32 where
+    a row's packs are whole runs of 32, as at D = 256), and the kernels check their steps 32 at a
+    time, so boundaries fall on multiples of 32 and 1 and P - 1 steps after them (segments shorter
+    than P among them), and in the P steps after a tile.
 
     Row 0: those boundaries, a run of padding, an id that comes back after a two-step segment.
     Row 1: padding first (the initial state belongs to no segment) and last (no final state).
@@ -156,10 +157,11 @@ def test_segment_boundaries_long_rows(dev, dtype, width):
 
 
 # The channel-last backward's grouped blocks (D = 256: 32 to 128 packs a row for every dtype and
-# width, whole runs of 32): a block's warps take one run over 4 consecutive 64-step tiles and sum
-# their dw/db. L = 650 makes 11 tiles, two whole groups and a last group of three tiles whose last
-# has 10 steps (the fourth warp adds zeros); with dS from tile 0, the final state's gradient in the
-# last tile, and seq_idx boundaries at tile and group edges (64, 256, 512) and in the last tile.
+# width, whole runs of 32): a block's warps take one run over 4 consecutive tiles and sum their
+# dw/db. With so few columns the tiles are 32 steps long: L = 650 makes 21 tiles, five whole
+# groups and a last group of one tile of 10 steps (its other three warps add zeros); with dS from
+# tile 0, the final state's gradient in the last tile, and seq_idx boundaries at tile and group
+# edges (64, 256, 512, 640) and in the last tile.
 @pytest.mark.parametrize("masked", [False, True], ids=["no_seq_idx", "seq_idx"])
 @pytest.mark.parametrize("width", [2, 4, 8])
 @pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
@@ -203,13 +205,14 @@ def final_state_rows(length: int, width: int) -> np.ndarray:
 
 
 # With seq_idx the channel-last forward writes the final state from the thread whose piece ends the
-# row (no final-state kernel). Up to 9 rows of D = 64 take 8-step pieces on the GPU:
-# L = 11 and 70 end in a piece of 3 and 6 steps (shorter than the state from K = 5 and 8 on), and
-# L = 1, 2, 5 are shorter than the state itself from K = 3, 4, 7 on. The GPU's backward (64-step
-# tiles here) takes the final state's cotangent at L = 66 and 70, whose last tiles of 2 and 6 steps
-# leave the state's first times to the tile before from K = 4 and 8 on; at L = 70 with dS. The CPU
-# kernels have no tiles (their backward with seq_idx and states: test_backward.py, test_varlen.py),
-# so L = 66 and those backward checks run on the GPU only.
+# row (no final-state kernel). Up to 9 rows of D = 64 take 8-step pieces on the GPU: L = 11 and 70
+# end in a piece of 3 and 6 steps (shorter than the state from K = 5 and 8 on), and L = 1, 2, 5 are
+# shorter than the state itself from K = 3, 4, 7 on. The GPU's backward (64-step tiles here,
+# 32-step for float32 at K >= 5, whose rows are whole runs of 32 packs of 2) takes the final
+# state's cotangent at L = 66 and 70, whose last tiles of 2 and 6 steps leave the state's first
+# times to the tile before from K = 4 and 8 on; at L = 70 with dS. The CPU kernels have no tiles
+# (their backward with seq_idx and states: test_backward.py, test_varlen.py), so L = 66 and those
+# backward checks run on the GPU only.
 @pytest.mark.parametrize("width", range(2, 9))
 @pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("dev", DEVICES)
