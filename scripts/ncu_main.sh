@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Hardware counters for our kernels on the main workload (or SHAPE=batch,length,channels), both
-# layouts: time, DRAM and SM throughput, issue activity, active warps, registers, instructions and
-# grid size per kernel, as ncu's CSV (one row per kernel and metric) in DIR/ncu_BLD.csv and
-# DIR/ncu_BDL.csv; then each kernel's time and grid, one line per launch.
+# layouts: time, DRAM, L2, L1 and SM throughput, L2 hit rate, issue activity, active warps,
+# registers, instructions and grid size per kernel, as ncu's CSV (one row per kernel and metric)
+# in DIR/ncu_BLD.csv and DIR/ncu_BDL.csv; then each kernel's time and grid, one line per launch.
 #   scripts/ncu_main.sh DIR
 #   SHAPE=8,2048,256 scripts/ncu_main.sh DIR
 #   WIDTH=8 LAYOUTS=BDL scripts/ncu_main.sh DIR  # K = 8 (bf16 K = 7-8 channel-first: the
@@ -40,6 +40,7 @@ metrics=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapse
 metrics+=,sm__throughput.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active
 metrics+=,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,smsp__inst_executed.sum
 metrics+=,launch__grid_size,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct
+metrics+=,lts__throughput.avg.pct_of_peak_sustained_elapsed,l1tex__throughput.avg.pct_of_peak_sustained_active
 [[ -n ${EXTRA_METRICS:-} ]] && metrics+=,$EXTRA_METRICS
 if [[ ${STALLS:-0} == 1 ]]; then
   for reason in barrier branch_resolving dispatch_stall drain imc_miss lg_throttle long_scoreboard \
@@ -70,6 +71,8 @@ for launch_id, m in sorted(launches.items(), key=lambda item: int(item[0])):
     print(f"  {launch_id:>4} {name:60} {m.get('gpu__time_duration.sum', '?'):>9} ns  grid {m.get('launch__grid_size', '?'):>7}"
           f"  dram {m.get('dram__throughput.avg.pct_of_peak_sustained_elapsed', '?'):>6}%"
           f"  l2 hit {m.get('lts__t_sector_hit_rate.pct', '?')}%"
+          f"  l2 {m.get('lts__throughput.avg.pct_of_peak_sustained_elapsed', '?')}%"
+          f"  l1 {m.get('l1tex__throughput.avg.pct_of_peak_sustained_active', '?')}%"
           f"  regs {m.get('launch__registers_per_thread', '?')}"
           f"  dram read {m.get('dram__bytes_read.sum', '?')} {units.get('dram__bytes_read.sum', '')}"
           f" write {m.get('dram__bytes_write.sum', '?')} {units.get('dram__bytes_write.sum', '')}")
