@@ -22,6 +22,14 @@ For an op of more than one kernel a call, a last line gives the spans' least and
 device's idle time between a call's kernels (median, 90th percentile, greatest): where the span
 moves and the kernels' medians do not, the launches' gap moved.
 
+With --flush-l2 MIB (and --trace), each call follows a call that reads and writes MIB MiB, more
+than the L2 holds, so that no call finds its operands there, as in a model where other layers run
+between two calls of one layer; the trace leaves that call's kernels out. Back to back, a small
+problem's operands can stay in the L2 from one call to the next (B=8 L=2048 D=256: three 8 MB
+tensors against the H100's and H200's 50 MB), for one implementation more than for another:
+
+    python3 benchmarks/profile_kernels.py --shape 8,2048,256 --trace 50 --flush-l2 256
+
 With --update, the decode step instead (one token a row, shift mode, the state donated and passed
 from call to call, as bench.py's decode case; --shape B,1,D) and a copy of its bytes; without
 --trace, three steps for ncu (scripts/ncu_main.sh with UPDATE=1):
@@ -51,6 +59,7 @@ import pathlib
 import statistics
 import sys
 import tempfile
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -151,20 +160,38 @@ def short_name(name: str) -> str:
     return name.rsplit("::", 1)[-1][:48]
 
 
-def trace_ops(ops: dict, calls: int) -> None:
+def l2_flush(mebibytes: int) -> tuple[Callable[[], jax.Array], frozenset[str]]:
+    """A call that reads and writes `mebibytes` MiB (the population count of that many uint32s),
+    and the names of its kernels, from a trace of it alone, for trace_ops to leave out."""
+    words = jnp.zeros(mebibytes * 2**18, jnp.uint32)
+    count = jax.jit(jax.lax.population_count)
+    jax.block_until_ready(count(words))
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            jax.block_until_ready(count(words))
+        kernels, _ = kernel_events(pathlib.Path(tmp))
+    return (lambda: count(words)), frozenset(k["name"] for k in kernels)
+
+
+def trace_ops(ops: dict, calls: int, flush: tuple | None = None) -> None:
     """Prints each op's kernels: launches per call and median device time; then the sum of its
     kernels' medians x launches per call and the median device span of a call (call_spans); last,
     one line of each op's span (its sum where the calls' kernels do not split evenly), which
-    scripts/gpu_check.sh reads."""
+    scripts/gpu_check.sh reads. flush: l2_flush's call, run before each traced call, and its
+    kernels' names, left out of the trace's launches."""
     print(f"{'op':10} {'kernel':48} {'per call':>8} {'median us':>10}")
+    before, flush_kernels = flush if flush else (None, frozenset())
     totals = []
     for label, (fn, args) in ops.items():
         jax.block_until_ready(fn(*args))
         with tempfile.TemporaryDirectory() as tmp:
             with jax.profiler.trace(tmp, create_perfetto_trace=True):
                 for _ in range(calls):
+                    if before:
+                        before()
                     jax.block_until_ready(fn(*args))
             kernels, rows = kernel_events(pathlib.Path(tmp))
+        kernels = [k for k in kernels if k["name"] not in flush_kernels]
         if not kernels:
             print(f"{label:10} no kernel events on a GPU stream row; the trace's rows: {rows[:12]}")
             continue
@@ -227,6 +254,9 @@ def main():
     parser.add_argument("--sequences", type=int, default=None, metavar="N",
                         help="packed sequences a row with --features (N - 1 random cuts; "
                              "default 4; 0: the states without seq_idx)")
+    parser.add_argument("--flush-l2", type=int, default=0, metavar="MIB",
+                        help="with --trace: before each call, a call that reads and writes MIB "
+                             "MiB (more than the L2), left out of the trace")
     args = parser.parse_args()
     batch, length, channels = args.shape
     if args.update and length != 1:
@@ -237,13 +267,19 @@ def main():
         parser.error("--dtype is for the forward and backward; --update times bf16")
     if args.sequences is not None and (args.sequences < 0 or not args.features):
         parser.error(f"--sequences takes N >= 0 and --features, got {args.sequences}")
+    if args.flush_l2 < 0 or (args.flush_l2 and not args.trace):
+        parser.error(f"--flush-l2 takes MIB >= 0 and --trace, got {args.flush_l2}")
     sequences = 4 if args.sequences is None else args.sequences
+    flush = None
+    if args.flush_l2:
+        flush = l2_flush(args.flush_l2)
+        print(f"before each call: {args.flush_l2} MiB read and written (the L2 flushed)")
     if args.update:
         ops = update_ops(batch, channels, args.width, args.layout)
         if args.trace:
             print(f"decode {args.layout} B={batch} D={channels} K={args.width} bf16, "
                   f"{args.trace} calls each, {jax.devices()[0].device_kind}")
-            trace_ops(ops, args.trace)
+            trace_ops(ops, args.trace, flush)
         else:  # under ncu: the first call compiles, then two steps
             update, _ = ops["update"]
             for _ in range(3):
@@ -289,7 +325,8 @@ def main():
         copy_fwd = jax.jit(flip_sign)
         copy_bwd = jax.jit(lambda x, dy: dy - x)
         trace_ops({"fwd": (fwd_jit, fwd_args), "bwd": (bwd_jit, bwd_args),
-                   "copy fwd": (copy_fwd, (x,)), "copy bwd": (copy_bwd, (x, dy))}, args.trace)
+                   "copy fwd": (copy_fwd, (x,)), "copy bwd": (copy_bwd, (x, dy))}, args.trace,
+                  flush)
         return
     for _ in range(2):
         jax.block_until_ready(fwd_jit(*fwd_args))

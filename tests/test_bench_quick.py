@@ -236,3 +236,24 @@ def test_profile_call_idle():
     assert profile.call_idle(kernels, 3) == [0.0, 3.5, 1.0]
     assert profile.call_idle(kernels[:5], 3) == []
     assert profile.call_idle([launch("copy", 5.0, 3.0)], 1) == [0.0]
+
+
+def test_profile_trace_leaves_out_the_flush(monkeypatch, capsys):
+    """With --flush-l2, trace_ops runs the flush before each traced call and leaves the flush's
+    kernels out of the op's kernel times, spans and idle times."""
+    profile = load_script("profile_kernels")
+    import jax.numpy as jnp
+
+    # two calls of a backward and its reduction (spans 11.5 and 12.0), each after a 50 us flush
+    events = [launch("flush", 0.0, 50.0), launch("bwd", 50.0, 10.0), launch("reduce", 52.0, 9.5),
+              launch("flush", 70.0, 50.0), launch("bwd", 120.0, 10.0), launch("reduce", 122.0, 10.0)]
+    monkeypatch.setattr(profile, "kernel_events", lambda trace_dir: (events, []))
+    flushes = []
+    flush = (lambda: flushes.append(len(flushes)), frozenset({"flush"}))
+    profile.trace_ops({"bwd": (lambda: jnp.zeros(()), ())}, 2, flush)
+    out = capsys.readouterr().out
+    assert flushes == [0, 1]  # once before each traced call, not before the warm-up call
+    assert "flush" not in out
+    assert re.search(r"\(span of a call: first start to last end\)\s+11\.75", out)
+    assert "idle median 0.00" in out
+    assert out.splitlines()[-1] == "totals (us per call): bwd 11.75"
