@@ -230,9 +230,9 @@ PartialSlices launch_vector_backward(cudaStream_t stream, const ConvParams& p, f
                          whole_runs ? kTileLen / 2 : kTileLen);
     const int64_t tiles = (p.length + tile_len - 1) / tile_len;
     // A slice per kSliceTiles tiles where a row's packs are whole runs of 32 and there are that
-    // many tiles (with fewer, most of a block's warps would idle to save a slice or two), or the
-    // tiles are shorter than kTileLen (the workspace holds their slices only grouped).
-    const bool grouped = whole_runs && (tiles >= kSliceTiles || tile_len < kTileLen);
+    // many tiles (with fewer, most of a block's warps would idle to save a slice or two), or more
+    // tiles than the workspace holds slices ungrouped (tiles shorter than kTileLen).
+    const bool grouped = whole_runs && (tiles >= kSliceTiles || tiles > tile_count(p.length));
     const int64_t slices = grouped ? (tiles + kSliceTiles - 1) / kSliceTiles : tiles;
     const int64_t threads = columns * (grouped ? slices * kSliceTiles : tiles);
     const int64_t blocks =
