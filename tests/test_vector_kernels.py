@@ -175,6 +175,23 @@ def test_grouped_tiles(dev, dtype, width, masked):
     compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BLD", final="random")
 
 
+# The channel-last backward's short rows where a row's packs are whole runs of 32 (D = 256 for every
+# dtype and width) and columns are few, so that tiles are 32 steps long: a row of one tile
+# (L <= 32, ungrouped), of 2-3 tiles (L = 33-65: grouped, as the workspace's tile_count(L) slices
+# a row would not hold them ungrouped; a block's other warps add zeros), and of 4 (L = 97, a group
+# whose last tile has one step); with dS and the final state's gradient. The host's choice and the
+# kernel's reading of it (grouped where slices < tiles) must agree at each.
+@pytest.mark.parametrize("width", [2, 4, 8])
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dev", GPU)
+def test_short_grouped_rows(dev, dtype, width):
+    rng = np.random.default_rng(width)
+    for length in (1, 5, 31, 32, 33, 63, 64, 65, 97):
+        args, _ = inputs(rng, dtype, batch=2, length=length, channels=256, width=width,
+                         layout="BLD")
+        compare(dev, rng, args, None, dtype, activation="silu", layout="BLD", final="random")
+
+
 # The channel-last forward's downward pieces: the odd pieces of time run from their last row down
 # through their halo where a row's packs are whole runs of 32 (D = 256 for every dtype and width),
 # here 8-step pieces; L = 650 ends in an odd piece of 2 steps, shorter than the halo from K = 4
