@@ -192,6 +192,18 @@ def test_short_grouped_rows(dev, dtype, width):
         compare(dev, rng, args, None, dtype, activation="silu", layout="BLD", final="random")
 
 
+# The same rows with many columns (B=32 D=4096 bf16: 32768 columns, one tile a row): a row shorter
+# than 64 steps runs in one tile of its length, ungrouped.
+@pytest.mark.parametrize("dev", GPU)
+def test_short_rows_many_columns(dev):
+    rng = np.random.default_rng(13)
+    for length in (17, 40, 63):
+        args, _ = inputs(rng, jnp.bfloat16, batch=32, length=length, channels=4096, width=4,
+                         layout="BLD")
+        compare(dev, rng, args, None, jnp.bfloat16, activation="silu", layout="BLD",
+                final="random")
+
+
 # The channel-last forward's downward pieces: the odd pieces of time run from their last row down
 # through their halo where a row's packs are whole runs of 32 (D = 256 for every dtype and width),
 # here 8-step pieces; L = 650 ends in an odd piece of 2 steps, shorter than the halo from K = 4
