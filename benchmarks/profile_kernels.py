@@ -160,7 +160,11 @@ def short_name(name: str) -> str:
     return name.rsplit("::", 1)[-1][:48]
 
 
-def l2_flush(mebibytes: int) -> tuple[Callable[[], jax.Array], frozenset[str]]:
+# l2_flush's call and the names of its kernels.
+Flush = tuple[Callable[[], jax.Array], frozenset[str]]
+
+
+def l2_flush(mebibytes: int) -> Flush:
     """A call that reads and writes `mebibytes` MiB (the population count of that many uint32s),
     and the names of its kernels, from a trace of it alone, for trace_ops to leave out."""
     words = jnp.zeros(mebibytes * 2**18, jnp.uint32)
@@ -173,7 +177,7 @@ def l2_flush(mebibytes: int) -> tuple[Callable[[], jax.Array], frozenset[str]]:
     return (lambda: count(words)), frozenset(k["name"] for k in kernels)
 
 
-def trace_ops(ops: dict, calls: int, flush: tuple | None = None) -> None:
+def trace_ops(ops: dict, calls: int, flush: Flush | None = None) -> None:
     """Prints each op's kernels: launches per call and median device time; then the sum of its
     kernels' medians x launches per call and the median device span of a call (call_spans); last,
     one line of each op's span (its sum where the calls' kernels do not split evenly), which
