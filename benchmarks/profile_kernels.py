@@ -160,6 +160,14 @@ def short_name(name: str) -> str:
     return name.rsplit("::", 1)[-1][:48]
 
 
+def traced_kernels(run: Callable[[], None]) -> tuple[list[dict], list[str]]:
+    """kernel_events of a jax.profiler trace of run()."""
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            run()
+        return kernel_events(pathlib.Path(tmp))
+
+
 # l2_flush's call and the names of its kernels.
 Flush = tuple[Callable[[], jax.Array], frozenset[str]]
 
@@ -170,10 +178,7 @@ def l2_flush(mebibytes: int) -> Flush:
     words = jnp.zeros(mebibytes * 2**18, jnp.uint32)
     count = jax.jit(jax.lax.population_count)
     jax.block_until_ready(count(words))
-    with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp, create_perfetto_trace=True):
-            jax.block_until_ready(count(words))
-        kernels, _ = kernel_events(pathlib.Path(tmp))
+    kernels, _ = traced_kernels(lambda: jax.block_until_ready(count(words)))
     return (lambda: count(words)), frozenset(k["name"] for k in kernels)
 
 
@@ -188,13 +193,14 @@ def trace_ops(ops: dict, calls: int, flush: Flush | None = None) -> None:
     totals = []
     for label, (fn, args) in ops.items():
         jax.block_until_ready(fn(*args))
-        with tempfile.TemporaryDirectory() as tmp:
-            with jax.profiler.trace(tmp, create_perfetto_trace=True):
-                for _ in range(calls):
-                    if before:
-                        before()
-                    jax.block_until_ready(fn(*args))
-            kernels, rows = kernel_events(pathlib.Path(tmp))
+
+        def run(fn=fn, args=args):
+            for _ in range(calls):
+                if before:
+                    before()
+                jax.block_until_ready(fn(*args))
+
+        kernels, rows = traced_kernels(run)
         kernels = [k for k in kernels if k["name"] not in flush_kernels]
         if not kernels:
             print(f"{label:10} no kernel events on a GPU stream row; the trace's rows: {rows[:12]}")

@@ -138,7 +138,8 @@ if step sanitizer; then
   # (tests/GPU.md, seventh session: after cases 4, 5 and 12 in three runs, no finding reported
   # before): a run that dies resumes at the case it was in (--start), up to 3 times.
   sanitize_cases() {  # tool, log
-    local first=${SANITIZE_START:-0} start=${SANITIZE_START:-0} crashes=0 rc summaries total
+    local first=${SANITIZE_START:-0} crashes=0 rc summaries total
+    local start=$first
     : >"$2"
     while true; do
       XLA_PYTHON_CLIENT_PREALLOCATE=false compute-sanitizer --tool "$1" "${filter[@]}" \
