@@ -24,10 +24,11 @@ Two timings per op, both device-bound rather than per-call-Python-bound:
   time / N, N chosen so one loop lasts about --min-time; the median over --reps loops.
   JAX dispatch is asynchronous, so the GPU stays busy whenever a call outlasts its dispatch.
 * loop: one jitted lax.fori_loop runs the op many times inside a single executable. Every output
-  feeds the next call (y -> x, dx -> dy, dw and db scaled -> w and b, final state -> initial
-  state), two calls deep (three for bwd), so nothing can be hoisted out of the loop or dropped,
-  and each loop-carried buffer is rewritten by a call that runs after its last read, so XLA
-  inserts no copy: the dependence costs nothing. The compiled loop is audited (its large kernels
+  feeds the next call (y and dx -> x and dy, final state -> initial state; dw and db scaled ->
+  w and b for XLA's implementations, into the loop's carry for ours, see loop_step), two calls
+  deep (three for bwd), so nothing can be hoisted out of the loop or dropped, and each
+  loop-carried buffer is rewritten by a call that runs after its last read, so XLA inserts no
+  copy: the dependence costs nothing, and no kernel runs around our calls. The compiled loop is audited (its large kernels
   against the single call's, copies); a number that fails the audit is marked ``!`` and counted
   or explained in the notes. Decode runs the natural decode loop, (y, state) = update(x, state)
   with the state donated, and reports copies of large arrays in the loop body.
@@ -247,40 +248,64 @@ def copy_ops():
 
 
 def loop_step(op: str, fn: Callable, impl: str, case: Case):
-    """One fori_loop iteration over every input set; returns (step, calls per set).
+    """One fori_loop iteration over every input set; returns (step, calls per set, first_carry).
 
-    The carry per set is (x, w, b, s0, dy, dF), the arguments of the next call. Every output of a
-    call is an argument of the next one (y -> x, dx -> dy, dw and db scaled -> w and b, F -> s0,
-    ds0 -> s0 or dF), so XLA can neither drop part of the work nor hoist it out of the loop. The
-    carry is written by a call that depends on every read of it, which lets XLA write it in place
-    (no copy): for that a call's fed-back outputs go through two (fwd, fwd+bwd) or three (bwd)
-    calls per iteration.
+    The carry per set is (x, w, b, s0, dy, dF), the arguments of the next call, then (ours only)
+    the dw and db of each of the set's calls in the last iteration. Every output of a call is an
+    argument of the next one (y -> x or dy, dx -> dy or x, F -> s0, ds0 -> s0 or dF) or kept in
+    the carry until the next iteration replaces it, so XLA can neither drop part of the work nor
+    hoist it out of the loop. The carry is written by a call that depends on every read of it,
+    which lets XLA write it in place (no copy): for that a call's fed-back outputs go through two
+    (fwd, fwd+bwd) or three (bwd) calls per iteration.
+
+    dw and db: XLA's implementations compute them apart from dx, in reductions that read x and
+    dy, so the next call takes them in, as its w and b (scaled by 1 / (B*L) to stay near 1, in
+    small elementwise kernels their times include); without that order XLA copies x, which the
+    next call rewrites. Ours computes dx, dw and db in
+    one custom call, which the next call's dx input already waits for, and which cannot take the
+    scale in: it ran as two elementwise kernels after each of our calls, timed as ours. So ours'
+    dw and db go to the carry, and its w and b stay fixed. first_carry(x, w, b, s0, dy, dF)
+    copies one set's arrays (the loop donates its carry) and adds zeros where ours' dw and db go.
     """
     if impl == "copy":  # elementwise passes can write in place one call deep: x <- -x, dy - x
         def copy_step(carry, seq):
             return tuple((fn(x, w, b, s0, seq, dy, dF)[0], w, b, s0, dy, dF)
                          for x, w, b, s0, dy, dF in carry)
-        return copy_step, 1
+        return copy_step, 1, lambda *arrays: _copies(arrays)
 
-    scale = 1.0 / (case.B * case.L)  # dw and db are sums over B*L: keep the next w, b near 1
+    depth = {"fwd": 2, "bwd": 3, "fwd+bwd": 2}[op]
+    dx_at = 2 if op == "fwd+bwd" and case.features else int(op == "fwd+bwd")  # (bwd: 0)
+    feed_back = impl != "ours"
+    kept = 0 if op == "fwd" or feed_back else depth  # calls a set whose dw, db the carry keeps
+    scale = 1.0 / (case.B * case.L)
+
+    def first_carry(x, w, b, s0, dy, dF):
+        return _copies((x, w, b, s0, dy, dF)) + tuple(
+            jnp.zeros_like(a) for _ in range(kept) for a in (w, b))
 
     def call(args, seq):
-        x, w, b, s0, dy, dF = args
+        x, w, b, s0, dy, dF = args[:6]
         return fn(x, w, b, s0, seq, dy, dF)
 
+    def params_after(args, out):  # the next call's (w, b)
+        if feed_back:
+            return out[dx_at + 1] * scale, out[dx_at + 2] * scale
+        return args[1], args[2]
+
+    def grads(*outs):  # what the carry keeps of these calls' outputs
+        return tuple(a for out in outs for a in out[dx_at + 1:dx_at + 3]) if kept else ()
+
     def after_fwd(args, out):
-        x, w, b, s0, dy, dF = args
+        x, w, b, s0, dy, dF = args[:6]
         return (out[0], w, b, out[1] if case.features else s0, dy, dF)
 
     def after_bwd(args, out, dy):
-        _, _, _, s0, _, dF = args
-        return (out[0], out[1] * scale, out[2] * scale, out[3] if case.features else s0, dy, dF)
+        s0, dF = args[3], args[5]
+        return (out[0], *params_after(args, out), out[3] if case.features else s0, dy, dF)
 
-    def after_fwd_bwd(args, out):
-        k = 2 if case.features else 1  # index of dx
-        y, dx, dw, db = out[0], out[k], out[k + 1], out[k + 2]
-        s0, dF = (out[1], out[k + 3]) if case.features else (args[3], args[5])
-        return (y, dw * scale, db * scale, s0, dx, dF)
+    def after_fwd_bwd(args, out):  # dx -> x, y -> dy: then the next call's y waits for this dx
+        s0, dF = (out[1], out[dx_at + 3]) if case.features else (args[3], args[5])
+        return (out[dx_at], *params_after(args, out), s0, out[0], dF)
 
     def step(carry, seq):
         if op == "fwd":  # A = f(x); B = f(A.y); carry <- B
@@ -293,12 +318,19 @@ def loop_step(op: str, fn: Callable, impl: str, case: Case):
             C_args = [after_bwd(b_args, bo, a[0]) for b_args, bo, a in zip(B_args, B, A)]
             C = [call(c, seq) for c in C_args]
             return tuple((bo[0],) + after_bwd(c_args, co, co[0])[1:4] + (co[0], c_args[5])
-                         for bo, c_args, co in zip(B, C_args, C))
-        # fwd+bwd: A = h(x, dy); B = h(A.y, A.dx); carry <- B
-        A = [after_fwd_bwd(c, call(c, seq)) for c in carry]
-        return tuple(after_fwd_bwd(a, call(a, seq)) for a in A)
+                         + grads(a, bo, co) for a, bo, c_args, co in zip(A, B, C_args, C))
+        # fwd+bwd: A = h(x, dy); B = h(A.dx, A.y); x <- B.dx, dy <- B.y
+        A = [call(c, seq) for c in carry]
+        B_args = [after_fwd_bwd(c, a) for c, a in zip(carry, A)]
+        B = [call(b, seq) for b in B_args]
+        return tuple(after_fwd_bwd(b_args, bo) + grads(a, bo)
+                     for b_args, a, bo in zip(B_args, A, B))
 
-    return step, {"fwd": 2, "bwd": 3, "fwd+bwd": 2}[op]
+    return step, depth, first_carry
+
+
+def _copies(arrays):
+    return tuple(None if a is None else jnp.copy(a) for a in arrays)
 
 
 # ----------------------------------------------------------------------------------- HLO audit
@@ -559,10 +591,8 @@ def bench_case(case: Case, args: argparse.Namespace, log):
             timing.queue_us = 1e6 * time_queue(lambda i: compiled(*sets[i]), n_sets, sets,
                                                args.reps, args.min_time)
             if not args.no_loop:
-                step, depth = loop_step(op, fn, impl, case)
-                # (x, w, b, s0, dy, dF) per set, copied: the loop donates its carry
-                carry = tuple(tuple(None if a is None else jnp.copy(a)
-                                    for a in (x, w, b, s0, dy, dF))
+                step, depth, first_carry = loop_step(op, fn, impl, case)
+                carry = tuple(first_carry(x, w, b, s0, dy, dF)
                               for x, w, b, s0, _, dy, dF in sets)
                 per_call, iters, loop_hlo = time_loop(
                     step, depth * n_sets, carry, sets[0][4], args, timing.queue_us * 1e-6)

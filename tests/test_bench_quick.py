@@ -100,6 +100,32 @@ def test_targets_take_the_loop_where_the_queue_is_host_bound():
     assert rows[(audited.name, "time / copy within 15%", "fwd")] == ("queue", round(300 / 260, 2))
 
 
+@pytest.mark.parametrize("layout", ["BLD", "BDL"])
+@pytest.mark.parametrize("features", [False, True])
+@pytest.mark.parametrize("op", ["fwd", "bwd", "fwd+bwd"])
+def test_loop_runs_nothing_but_our_calls(op, features, layout):
+    """The loop method's body, for ours, holds our custom calls and the loop counter only: no
+    kernel of the harness's own (dw and db's scale once ran as two a call) and no copy."""
+    import jax
+
+    bench = load_bench()
+    case = bench.Case(2, 64, 32, 4, layout=layout, features=features)
+    sets = bench.make_inputs(case, 2)
+    fn = bench.make_ops(bench.CONV_FNS["ours"], case)[op]
+    step, depth, first_carry = bench.loop_step(op, fn, "ours", case)
+    carry = tuple(first_carry(x, w, b, s0, dy, dF) for x, w, b, s0, _, dy, dF in sets)
+    loop = jax.jit(lambda c, seq: jax.lax.fori_loop(0, 3, lambda i, c: step(c, seq), c),
+                   donate_argnums=0)
+    comps, entry = bench._computations(loop.lower(carry, sets[0][4]).compile().as_text())
+    body = comps[bench._find_while_body(comps, entry)]
+    calls = [i for i, _, opcode, _ in body if opcode == "custom-call"]
+    others = [(i, shape) for i, shape, opcode, _ in body
+              if opcode in bench._HEAVY and opcode != "custom-call" and not shape.endswith("[]")]
+    per_call = 2 if op == "fwd+bwd" else 1  # fwd+bwd: the forward's call and the backward's
+    assert len(calls) == per_call * depth * len(sets), calls
+    assert others == [], others
+
+
 def test_widths_option_selects_the_widths_group():
     bench = load_bench()
     args = bench.parse_args(["--cases", "widths", "--widths", "5,7", "--layouts", "BDL"])
