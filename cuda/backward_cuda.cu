@@ -231,10 +231,14 @@ PartialSlices launch_vector_backward(cudaStream_t stream, const ConvParams& p, f
     const int64_t tiles = (p.length + tile_len - 1) / tile_len;
     // A slice per kSliceTiles tiles where a row's packs are whole runs of 32 and there are that
     // many tiles (with fewer, most of a block's warps would idle to save a slice or two), or more
-    // tiles than the workspace holds slices ungrouped (tiles shorter than kTileLen). Either way a
-    // grouped row has 2 tiles or more, so slices < tiles: the kernel reads grouping from that.
-    const bool grouped = whole_runs && (tiles >= kSliceTiles || tiles > tile_count(p.length));
-    const int64_t slices = grouped ? (tiles + kSliceTiles - 1) / kSliceTiles : tiles;
+    // tiles than the workspace holds slices ungrouped (tiles shorter than kTileLen).
+    const bool group = whole_runs && (tiles >= kSliceTiles || tiles > tile_count(p.length));
+    const int64_t slices = group ? (tiles + kSliceTiles - 1) / kSliceTiles : tiles;
+    // The kernel's reading of grouping (fewer slices than tiles), taken here too, so that the two
+    // cannot disagree: their own rules once did, for rows of one tile (which this leaves
+    // ungrouped). The kernel does not take a flag: at its register cap, the f16 K = 2 kernel
+    // spilled 8 bytes with one.
+    const bool grouped = slices < tiles;
     const int64_t threads = columns * (grouped ? slices * kSliceTiles : tiles);
     const int64_t blocks =
         std::min(kMaxGridBlocks, (threads + kBackwardThreads - 1) / kBackwardThreads);

@@ -179,8 +179,8 @@ def test_grouped_tiles(dev, dtype, width, masked):
 # dtype and width) and columns are few, so that tiles are 32 steps long: a row of one tile
 # (L <= 32, ungrouped), of 2-3 tiles (L = 33-65: grouped, as the workspace's tile_count(L) slices
 # a row would not hold them ungrouped; a block's other warps add zeros), and of 4 (L = 97, a group
-# whose last tile has one step); with dS and the final state's gradient. The host's choice and the
-# kernel's reading of it (grouped where slices < tiles) must agree at each.
+# whose last tile has one step); with dS and the final state's gradient. The launch and the kernel
+# read grouping from one rule (fewer slices than tiles); their own rules once disagreed here.
 @pytest.mark.parametrize("width", [2, 4, 8])
 @pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("dev", GPU)
