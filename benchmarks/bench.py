@@ -266,6 +266,10 @@ def loop_step(op: str, fn: Callable, impl: str, case: Case):
     scale in: it ran as two elementwise kernels after each of our calls, timed as ours. So ours'
     dw and db go to the carry, and its w and b stay fixed. first_carry(x, w, b, s0, dy, dF)
     copies one set's arrays (the loop donates its carry) and adds zeros where ours' dw and db go.
+    The values drift over the iterations (the forward's grow past bf16's range within a few
+    hundred, as ours' backwards now do; the scaled feedback took XLA's to zero): on the GPU the
+    kernels timed take the same time whatever the values (no branch on them, and its arithmetic
+    runs at one speed for infinities, NaNs and denormals alike).
     """
     if impl == "copy":  # elementwise passes can write in place one call deep: x <- -x, dy - x
         def copy_step(carry, seq):
