@@ -24,14 +24,15 @@ Two timings per op, both device-bound rather than per-call-Python-bound:
   time / N, N chosen so one loop lasts about --min-time; the median over --reps loops.
   JAX dispatch is asynchronous, so the GPU stays busy whenever a call outlasts its dispatch.
 * loop: one jitted lax.fori_loop runs the op many times inside a single executable. Every output
-  feeds the next call (y and dx -> x and dy, final state -> initial state; dw and db scaled ->
-  w and b for XLA's implementations, into the loop's carry for ours, see loop_step), two calls
-  deep (three for bwd), so nothing can be hoisted out of the loop or dropped, and each
-  loop-carried buffer is rewritten by a call that runs after its last read, so XLA inserts no
-  copy: the dependence costs nothing, and no kernel runs around our calls. The compiled loop is audited (its large kernels
-  against the single call's, copies); a number that fails the audit is marked ``!`` and counted
-  or explained in the notes. Decode runs the natural decode loop, (y, state) = update(x, state)
-  with the state donated, and reports copies of large arrays in the loop body.
+  feeds the next call (y and dx -> x and dy, final state -> initial state; for XLA's
+  implementations dw and db scaled -> w and b) or, ours' dw and db, the loop's carry (see
+  loop_step), two calls deep (three for bwd), so nothing can be hoisted out of the loop or
+  dropped, and each loop-carried buffer is rewritten by a call that runs after its last read, so
+  XLA inserts no copy: the dependence costs nothing, and no kernel runs around our calls. The
+  compiled loop is audited (its large kernels against the single call's, copies); a number that
+  fails the audit is marked ``!`` and counted or explained in the notes. Decode runs the natural
+  decode loop, (y, state) = update(x, state) with the state donated, and reports copies of large
+  arrays in the loop body.
 
 The derived columns (GB/s, fraction of copy bandwidth, time over the copy, speed-ups) use the
 --primary method (queue by default); decode always uses the loop (a decode step is shorter than
@@ -261,15 +262,16 @@ def loop_step(op: str, fn: Callable, impl: str, case: Case):
     dw and db: XLA's implementations compute them apart from dx, in reductions that read x and
     dy, so the next call takes them in, as its w and b (scaled by 1 / (B*L) to stay near 1, in
     small elementwise kernels their times include); without that order XLA copies x, which the
-    next call rewrites. Ours computes dx, dw and db in
-    one custom call, which the next call's dx input already waits for, and which cannot take the
-    scale in: it ran as two elementwise kernels after each of our calls, timed as ours. So ours'
-    dw and db go to the carry, and its w and b stay fixed. first_carry(x, w, b, s0, dy, dF)
-    copies one set's arrays (the loop donates its carry) and adds zeros where ours' dw and db go.
-    The values drift over the iterations (the forward's grow past bf16's range within a few
-    hundred, as ours' backwards now do; the scaled feedback took XLA's to zero): on the GPU the
-    kernels timed take the same time whatever the values (no branch on them, and its arithmetic
-    runs at one speed for infinities, NaNs and denormals alike).
+    next call rewrites. Ours computes dx, dw and db in one custom call, which the next call's dx
+    input already waits for, and which cannot take the scale in: it ran as two elementwise
+    kernels after each of our calls, timed as ours. So ours' dw and db go to the carry, and its w
+    and b stay fixed. first_carry(x, w, b, s0, dy, dF) copies one set's arrays (the loop donates
+    its carry) and adds zeros where ours' dw and db go.
+
+    The values drift over the iterations: the forward's grow past bf16's range within a few
+    hundred, and so do ours' backwards now (with the scaled feedback they shrank to zero). On the
+    GPU the kernels take the same time whatever the values: no branch on them, and its arithmetic
+    runs at one speed for infinities, NaNs and denormals alike.
     """
     if impl == "copy":  # elementwise passes can write in place one call deep: x <- -x, dy - x
         def copy_step(carry, seq):
