@@ -42,7 +42,9 @@ set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 STEPS=${STEPS:-"build tests examples"}
-PYTEST_ARGS=${PYTEST_ARGS:-tests}
+# One line: a list from `ls` keeps its newlines, which split each shard's summary line in two
+# (forty-third session).
+PYTEST_ARGS=$(tr '\n' ' ' <<<"${PYTEST_ARGS:-tests}")
 PYTEST_JOBS=${PYTEST_JOBS:-1}
 PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-0}  # seconds per shard; 0: no limit
 EXTREME_ARGS=${EXTREME_ARGS:-}
