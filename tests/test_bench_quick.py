@@ -122,7 +122,8 @@ def test_loop_runs_nothing_but_our_calls(op, features, layout):
     others = [(i, shape) for i, shape, opcode, _ in body
               if opcode in bench._HEAVY and opcode != "custom-call" and not shape.endswith("[]")]
     per_call = 2 if op == "fwd+bwd" else 1  # fwd+bwd: the forward's call and the backward's
-    assert len(calls) == per_call * depth * len(sets), calls
+    # (a multiple where XLA unrolls the loop)
+    assert calls and len(calls) % (per_call * depth * len(sets)) == 0, calls
     assert others == [], others
 
 
