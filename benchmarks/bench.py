@@ -280,7 +280,7 @@ def loop_step(op: str, fn: Callable, impl: str, case: Case):
         return copy_step, 1, lambda *arrays: _copies(arrays)
 
     depth = {"fwd": 2, "bwd": 3, "fwd+bwd": 2}[op]
-    dx_at = 2 if op == "fwd+bwd" and case.features else int(op == "fwd+bwd")  # (bwd: 0)
+    dx_at = (2 if case.features else 1) if op == "fwd+bwd" else 0  # dx's index in a call's outputs
     feed_back = impl != "ours"
     kept = 0 if op == "fwd" or feed_back else depth  # calls a set whose dw, db the carry keeps
     scale = 1.0 / (case.B * case.L)
@@ -301,8 +301,8 @@ def loop_step(op: str, fn: Callable, impl: str, case: Case):
     def grads(*outs):  # what the carry keeps of these calls' outputs
         return tuple(a for out in outs for a in out[dx_at + 1:dx_at + 3]) if kept else ()
 
-    def after_fwd(args, out):
-        x, w, b, s0, dy, dF = args[:6]
+    def after_fwd(args, out):  # (fwd's carry holds no dw, db)
+        x, w, b, s0, dy, dF = args
         return (out[0], w, b, out[1] if case.features else s0, dy, dF)
 
     def after_bwd(args, out, dy):
