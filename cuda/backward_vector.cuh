@@ -108,6 +108,20 @@ constexpr bool backward_selects_checked_taps() {
   return kMasked ? K > 2 : !(sizeof(T) == 2 && (K == 2 || K == 6));
 }
 
+// Which copy of the channel-last backward's step runs. kChecked tests every edge. The others test
+// none: kInterior, every step of [P, owned); without seq_idx, in a tile of at least P steps, kHead
+// the first P steps where the tile emits no dS (every tile but a row's first when dS is asked
+// for), which emit no dx (their x_u belong to the tile before), and kTail the last P steps where
+// the P rows after the tile exist (every tile but a row's last), which add no dw/db (their times
+// belong to the tile after). At 32-step tiles (B=8 L=2048 D=256) the checked copy's 2P steps were
+// about a third of the plain bf16 K = 4 kernel's instructions (sm_90 SASS: 384 a checked step, 118
+// an interior one, about 75 for these copies). H100 traces, BLD bwd kernel (forty-fourth session,
+// us): with the L2 flushed before each call 15.15-15.17 -> 14.61, warm (inputs in the L2)
+// 10.59-10.88 -> 10.59-10.61.
+enum class StepCopy { kChecked, kInterior, kHead, kTail };
+template <StepCopy kCopy>
+using StepCopyConstant = std::integral_constant<StepCopy, kCopy>;
+
 // (B, L, D), D a multiple of C. A thread owns C channels over one tile [t0, t1) and streams s from
 // t0 to t1 + P - 1 with K-row register windows of x and delta. At step s it finishes delta_s, adds
 // delta_s's dw/db terms when it owns s, and emits dx_{s-P}, whose deltas (s-P .. s) are all in the
@@ -121,7 +135,8 @@ constexpr bool backward_selects_checked_taps() {
 // dx_{s-P} has its output in [0, L). They run a copy of the step with none of the edge tests,
 // unrolled K times so that the window shifts are register renaming rather than moves; the first
 // and last P steps run the checked copy. With seq_idx, so do the steps whose windows SegmentSteps
-// finds across a segment boundary or at padding, with tap tests.
+// finds across a segment boundary or at padding, with tap tests. Without seq_idx, the first and
+// last P steps of a tile inside its row run copies without tests too (StepCopy).
 template <typename T, int K, bool kMasked>
 __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
     backward_channel_last_kernel(ConvParams p, float* partials, ChannelLastTiles split) {
@@ -215,11 +230,13 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
       if constexpr (!kLoadsBeforeWait) load_window_and_weights();
       using Segments = SegmentSteps<K, C>;
       const Segments segments{p, b, t0, d0, live_steps};
-      // One step; interior is std::true_type on the interior steps (see above), taps those of
-      // SegmentSteps: the constant kAllTaps leaves no tap test. silu: std::true_type or
-      // std::false_type, chosen once around the steps, or p.silu (with seq_idx, see below).
-      const auto step_at = [&](int step, auto interior, uint32_t taps, auto silu) {
-        constexpr bool kInterior = decltype(interior)::value;
+      // One step; copy a StepCopyConstant (see above), taps those of SegmentSteps: the constant
+      // kAllTaps leaves no tap test. silu: std::true_type or std::false_type, chosen once around
+      // the steps, or p.silu (with seq_idx, see below).
+      const auto step_at = [&](int step, auto copy, uint32_t taps, auto silu) {
+        constexpr StepCopy kCopy = decltype(copy)::value;
+        constexpr bool kInterior = kCopy != StepCopy::kChecked;
+        constexpr bool kEmits = kCopy != StepCopy::kHead, kAdds = kCopy != StepCopy::kTail;
         const int64_t s = t0 + step;
         const bool live = kInterior || step < live_steps;
         float dy[C];
@@ -258,7 +275,7 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
             delta[P][c] = output ? activation_vjp(dy[c], z, silu) : 0.0f;
           }
         }
-        if (kInterior || step < owned) {
+        if (kAdds && (kInterior || step < owned)) {
           for (int c = 0; c < C; ++c) {
             db[c] += delta[P][c];
             for (int k = 0; k < K; ++k) {
@@ -268,7 +285,7 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
           }
         }
         const int64_t u = s - P;  // tap k of output time s - k reads x_u; its delta is delta[P - k]
-        if (kInterior || u >= first_u) {
+        if (kEmits && (kInterior || u >= first_u)) {
           // Taps of outputs outside [0, L) are skipped, not multiplied by a zero delta: a
           // non-finite weight must reach dx only through outputs that exist, as in the reference.
           const bool outputs_exist = kInterior || (u >= 0 && s < p.length);
@@ -319,7 +336,7 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
       // The interior steps [begin, end), silu as in step_at.
       const auto interior = [&](int begin, int end, auto silu) {
         return run_steps<K>(begin, end, [&](int step) {
-          step_at(step, std::true_type{}, Segments::kAllTaps, silu);
+          step_at(step, StepCopyConstant<StepCopy::kInterior>{}, Segments::kAllTaps, silu);
         });
       };
       if constexpr (kMasked) {
@@ -332,7 +349,7 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
         const auto uniform = [&](int begin, int end) {
           if constexpr (sizeof(T) == 2 && K == 2) {
             return run_steps<K>(begin, end, [&](int step) {
-              step_at(step, std::true_type{}, Segments::kAllTaps, p.silu);
+              step_at(step, StepCopyConstant<StepCopy::kInterior>{}, Segments::kAllTaps, p.silu);
             });
           } else {
             return with_bool_constant(p.silu,
@@ -355,25 +372,36 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
               if constexpr (kTappedInterior) {
                 with_bool_constant(p.silu, [&](auto silu) {
                   if (needs_seq_idx && step >= P && step < owned) {
-                    step_at(step, std::true_type{}, taps, silu);
+                    step_at(step, StepCopyConstant<StepCopy::kInterior>{}, taps, silu);
                   } else {
-                    step_at(step, std::false_type{}, taps, silu);
+                    step_at(step, StepCopyConstant<StepCopy::kChecked>{}, taps, silu);
                   }
                 });
               } else {
-                step_at(step, std::false_type{}, taps, p.silu);
+                step_at(step, StepCopyConstant<StepCopy::kChecked>{}, taps, p.silu);
               }
             });
       } else {
+        // Not at 16-bit K = 2 (8 channels a thread, at the cap of 128 registers): with the copies
+        // ptxas spilled 8-16 bytes of the bfloat16 kernel, 16-32 of the float16 one.
+        constexpr bool kEdgeCopies = !(sizeof(T) == 2 && K == 2);
+        const bool inner_head = kEdgeCopies && owned >= P && first_u == t0;
+        const bool inner_tail = kEdgeCopies && owned >= P && live_steps == owned + P;
         with_bool_constant(p.silu, [&](auto silu) {
-          int step = 0;
+          const auto steps = [&](int begin, int end, bool inner, auto copy) {
+            if (inner) {
+#pragma unroll
+              for (int j = 0; j < P; ++j) step_at(begin + j, copy, Segments::kAllTaps, silu);
+            } else {
 #pragma unroll 1
-          for (; step < P; ++step) step_at(step, std::false_type{}, Segments::kAllTaps, silu);
-          step = interior(step, owned, silu);
-#pragma unroll 1
-          for (; step < owned + P; ++step) {
-            step_at(step, std::false_type{}, Segments::kAllTaps, silu);
-          }
+              for (int step = begin; step < end; ++step) {
+                step_at(step, StepCopyConstant<StepCopy::kChecked>{}, Segments::kAllTaps, silu);
+              }
+            }
+          };
+          steps(0, P, inner_head, StepCopyConstant<StepCopy::kHead>{});
+          const int tail = interior(P, owned, silu);  // owned, or P where owned < P
+          steps(tail, owned + P, inner_tail, StepCopyConstant<StepCopy::kTail>{});
         });
       }
     }
