@@ -24,6 +24,13 @@
 # the tenth session; still starting after 136 s in the ninth): give it a device call of its own.
 # STALLS=1 adds each stall reason's warps per issued instruction (what the warps wait on), and
 # the summary names the four largest per launch.
+# SOURCE=1 instead samples where in the SASS the warps wait: the first LAUNCHES (default 1)
+# launches that match KERNELS are profiled with ncu's SourceCounters and WarpStateStats sections
+# into DIR/ncu_<layout>_source.ncu-rep, whose source page (per SASS instruction: executions and warp
+# stall samples) goes to DIR/ncu_<layout>_source.csv; the summary lists the instructions with the
+# most samples, TOP of them (default 40), with the running share of all samples.
+#   CACHE=none SHAPE=8,2048,256 LAYOUTS=BLD KERNELS=backward_channel_last SOURCE=1 \
+#     scripts/ncu_main.sh DIR
 set -uo pipefail
 out=${1:?usage: scripts/ncu_main.sh DIR}
 if [[ ${UPDATE:-0} == 1 ]]; then
@@ -49,10 +56,62 @@ if [[ ${STALLS:-0} == 1 ]]; then
     metrics+=,smsp__average_warps_issue_stalled_${reason}_per_issue_active.ratio
   done
 fi
+profiled=(python3 benchmarks/profile_kernels.py "${mode[@]}" --shape "$shape" --width "${WIDTH:-4}")
+if [[ ${SOURCE:-0} == 1 ]]; then
+  for layout in ${LAYOUTS:-BLD BDL}; do
+    rep="$out/ncu_${layout}_source"
+    ncu --clock-control none --cache-control "${CACHE:-all}" --kernel-name regex:"$kernels" \
+      --launch-count "${LAUNCHES:-1}" --section SourceCounters --section WarpStateStats -f -o "$rep" \
+      "${profiled[@]}" --layout "$layout" >"$rep.log" 2>&1
+    echo "ncu $layout $shape K=${WIDTH:-4} (source): exit $?"
+    ncu --import "$rep.ncu-rep" --page source --print-source sass --csv >"$rep.csv" 2>"$rep.import.log"
+    echo "ncu source page: exit $? ($(wc -l <"$rep.csv") lines)"
+    python3 - "$rep.csv" "${TOP:-40}" <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if r]
+top = int(sys.argv[2])
+# The page's header row names the columns; a kernel's rows follow it (ncu writes one table a
+# profiled kernel, each after a line naming the kernel). Columns are found by name, not place.
+tables, name = [], "?"
+for r in rows:
+    if any("Address" == c.strip('" ') for c in r):
+        head = r
+        tables.append((name, head, []))
+    elif len(r) == 1:
+        name = r[0]
+    elif tables and len(r) == len(tables[-1][1]):
+        tables[-1][2].append(r)
+def column(head, *words):
+    for i, c in enumerate(head):
+        if all(w.lower() in c.lower() for w in words):
+            return i
+    return None
+if not tables:
+    print("  no table with an Address column; the page's first lines:")
+    for r in rows[:5]:
+        print("   ", ",".join(r)[:160])
+for name, head, body in tables:
+    source, samples = column(head, "Source"), column(head, "Stall Sampling", "All")
+    executed = column(head, "Instructions Executed")
+    if source is None or samples is None:
+        print(f"  {name[:80]}: no source or stall-sample column in {head}")
+        continue
+    value = lambda r, i: float(r[i].replace(",", "") or 0) if i is not None else 0.0
+    total = sum(value(r, samples) for r in body) or 1.0
+    print(f"  {name[:80]}: {len(body)} instructions, {total:.0f} stall samples")
+    share = 0.0
+    for r in sorted(body, key=lambda r: -value(r, samples))[:top]:
+        share += value(r, samples) / total
+        print(f"    {r[column(head, 'Address')]:>8} {value(r, samples):8.0f} {share:6.1%}"
+              f"  x{value(r, executed):<10.0f} {r[source][:70]}")
+PY
+  done
+  exit 0
+fi
 for layout in ${LAYOUTS:-BLD BDL}; do
   csv="$out/ncu_$layout.csv"
   ncu --clock-control none --cache-control "${CACHE:-all}" --kernel-name regex:"$kernels" --metrics "$metrics" --csv \
-    python3 benchmarks/profile_kernels.py "${mode[@]}" --layout "$layout" --shape "$shape" --width "${WIDTH:-4}" >"$csv" 2>"$out/ncu_$layout.log"
+    "${profiled[@]}" --layout "$layout" >"$csv" 2>"$out/ncu_$layout.log"
   echo "ncu $layout $shape K=${WIDTH:-4}: exit $? ($(grep -c '^"' "$csv") rows)"
   python3 - "$csv" <<'PY'
 import csv, re, sys
