@@ -92,7 +92,7 @@ if not tables:
         print("   ", ",".join(r)[:160])
 for name, head, body in tables:
     source, samples = column(head, "Source"), column(head, "Stall Sampling", "All")
-    executed = column(head, "Instructions Executed")
+    address, executed = column(head, "Address"), column(head, "Instructions Executed")
     if source is None or samples is None:
         print(f"  {name[:80]}: no source or stall-sample column in {head}")
         continue
@@ -102,7 +102,7 @@ for name, head, body in tables:
     share = 0.0
     for r in sorted(body, key=lambda r: -value(r, samples))[:top]:
         share += value(r, samples) / total
-        print(f"    {r[column(head, 'Address')]:>8} {value(r, samples):8.0f} {share:6.1%}"
+        print(f"    {r[address]:>8} {value(r, samples):8.0f} {share:6.1%}"
               f"  x{value(r, executed):<10.0f} {r[source][:70]}")
 PY
   done
