@@ -10,6 +10,16 @@ compare with ncu's instructions executed per element), and its global loads in r
 issued before a wait on one of them, read from the control bits). The whole kernel's count comes
 last.
 
+Each loop's schedule is replayed for one warp alone from its control bits: every instruction
+issues its stall count after the one before, and waits for the scoreboards it names, which a
+variable-latency result sets --mufu-latency, --lds-latency, --global-latency or --other-latency
+cycles after its issue (a register read for a store or a copy, 4 cycles). The replay runs the body
+three times and prints the third iteration's cycles (innermost loops only): a loop that one warp runs in fewer cycles
+than the warps sharing a scheduler need to issue it (their count times its instructions) is bound
+by issue, one that takes more by its dependency chains. It does not model the cp.async groups'
+waits (DEPBAR: the ring's rows taken as arrived), barriers, bank conflicts, dual issue or the
+other warps' interference.
+
     python3 scripts/sass_census.py --kernel 'backward_channel_first_kernel<__nv_bfloat16, 4, false'
 
 --object reads an object file or cubin already built (by nvcc -c, or the package's build)
@@ -129,10 +139,38 @@ def load_rounds(body: list[tuple[int, str]], control: dict[int, int]) -> list[in
         if any(bits >> (11 + board) & 1 for board in pending):
             rounds.append(0)
             pending.clear()
-        if re.sub(r"^@!?U?P\w+\s+", "", text).split(".")[0].split(" ")[0] == "LDG":
+        if base_op(text) == "LDG":
             rounds[-1] += 1
             pending.add(bits >> 5 & 7)
     return [n for n in rounds if n]
+
+
+def base_op(text: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split(" ")[0].split(".")[0]
+
+
+def replay(body: list[tuple[int, str]], control: dict[int, int],
+           latency: dict[str, int]) -> tuple[int, int]:
+    """(one warp's cycles for the loop body's third pass, the body's stall counts) - see the
+    module docstring. Control bits: stall count bits 0-3, write scoreboard bits 5-7 and read
+    scoreboard bits 8-10 (7: none), wait mask bits 11-16."""
+    ready = [0] * 6  # the cycle each scoreboard clears
+    clock = 0
+    passes = []
+    for _ in range(3):
+        start = clock
+        for address, text in body:
+            bits = control.get(address, 0)
+            waits = [ready[board] for board in range(6) if bits >> (11 + board) & 1]
+            clock = max([clock] + waits)
+            op = base_op(text)
+            if (write := bits >> 5 & 7) != 7:
+                ready[write] = clock + latency.get(op, latency["other"])
+            if (read := bits >> 8 & 7) != 7:
+                ready[read] = clock + 4
+            clock += max(bits & 15, 1)
+        passes.append(clock - start)
+    return passes[-1], sum(control.get(address, 0) & 15 for address, _ in body)
 
 
 def demangle(names: list[str]) -> dict[str, str]:
@@ -199,6 +237,15 @@ def main(argv=None) -> int:
                         help="elements a lane handles per loop iteration (8: bf16 channel-first)")
     parser.add_argument("--min-loop", type=int, default=40,
                         help="loops with fewer instructions are not printed")
+    parser.add_argument("--mufu-latency", type=int, default=20,
+                        help="cycles from a MUFU's issue to its result, for the replay")
+    parser.add_argument("--lds-latency", type=int, default=33,
+                        help="cycles from a shared load's issue to its data, for the replay")
+    parser.add_argument("--global-latency", type=int, default=300,
+                        help="cycles from a global load's issue to its data (an L2 hit), for "
+                             "the replay")
+    parser.add_argument("--other-latency", type=int, default=12,
+                        help="cycles for any other variable-latency result, for the replay")
     parser.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump")
     parser.add_argument("--nvcc", default=shutil.which("nvcc") or "nvcc")
     args = parser.parse_args(argv)
@@ -221,6 +268,8 @@ def main(argv=None) -> int:
     if not matched:
         print(f"no kernel matches {args.kernel!r} among {len(funcs)}", file=sys.stderr)
         return 1
+    latency = {"MUFU": args.mufu_latency, "LDS": args.lds_latency, "LDG": args.global_latency,
+               "other": args.other_latency}
     for f in matched:
         code = funcs[f]
         print(names[f])
@@ -237,6 +286,11 @@ def main(argv=None) -> int:
                 print_census(f"loop {start:#06x}-{end:#06x}{nested}", census(body), args.per)
                 if rounds := load_rounds(body, control[f]):
                     print(f"    global loads by round (each after a wait on the last): {rounds}")
+                if inner:  # a straight replay would pass its inner loops once
+                    continue
+                cycles, stalls = replay(body, control[f], latency)
+                print(f"    one warp's replay: {cycles} cycles an iteration, {stalls} of them "
+                      f"stall counts")
         print_census("whole kernel (static)", census(code), args.per)
     return 0
 
