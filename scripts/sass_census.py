@@ -10,15 +10,15 @@ compare with ncu's instructions executed per element), and its global loads in r
 issued before a wait on one of them, read from the control bits). The whole kernel's count comes
 last.
 
-Each loop's schedule is replayed for one warp alone from its control bits: every instruction
-issues its stall count after the one before, and waits for the scoreboards it names, which a
-variable-latency result sets --mufu-latency, --lds-latency, --global-latency or --other-latency
-cycles after its issue (a register read for a store or a copy, 4 cycles). The replay runs the body
-three times and prints the third iteration's cycles (innermost loops only): a loop that one warp runs in fewer cycles
-than the warps sharing a scheduler need to issue it (their count times its instructions) is bound
-by issue, one that takes more by its dependency chains. It does not model the cp.async groups'
-waits (DEPBAR: the ring's rows taken as arrived), barriers, bank conflicts, dual issue or the
-other warps' interference.
+Each innermost loop's schedule is replayed for one warp alone from its control bits: every
+instruction issues its stall count after the one before, and waits for the scoreboards it names,
+which a variable-latency result sets --mufu-latency, --lds-latency, --global-latency or
+--other-latency cycles after its issue (a register read for a store or a copy, 4 cycles). The
+replay runs the body three times and prints the third iteration's cycles: a loop that one warp
+runs in fewer cycles than the warps sharing a scheduler need to issue it (their count times its
+instructions) is bound by issue, one that takes more by its dependency chains. It does not model
+the cp.async groups' waits (DEPBAR: the ring's rows taken as arrived), barriers, bank conflicts,
+dual issue or the other warps' interference.
 
     python3 scripts/sass_census.py --kernel 'backward_channel_first_kernel<__nv_bfloat16, 4, false'
 

@@ -127,3 +127,28 @@ def test_update_handler_copies_an_unaliased_state(dev):
         np.testing.assert_allclose(y, want_y, rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(new_state, want_state, rtol=0, atol=0)
         np.testing.assert_array_equal(conv_state, before)
+
+
+def test_extensions_ffi_api_is_the_runtimes_or_older():
+    """The extensions were compiled against an XLA FFI API the installed jaxlib accepts (the
+    build pins jax 0.10.2's headers, API 0.3), and the runtime's version is readable."""
+    runtime = _native.runtime_ffi_api_version()
+    assert runtime is not None and runtime >= (0, 3)
+    from jax_causal_conv import _cpu
+
+    assert tuple(_cpu.ffi_api_version()) <= runtime
+    if _native._cuda is not None:
+        assert tuple(_native._cuda.ffi_api_version()) == tuple(_cpu.ffi_api_version())
+
+
+@pytest.mark.parametrize("built, runtime", [((0, 4), (0, 4)), ((0, 3), (0, 5)), ((0, 5), None)])
+def test_ffi_api_check_accepts(built, runtime):
+    _native.check_ffi_api_version("_cpu", built, runtime)
+
+
+@pytest.mark.parametrize("built, runtime", [((0, 5), (0, 4)), ((1, 0), (0, 9))])
+def test_ffi_api_check_rejects_a_newer_extension(built, runtime):
+    """Registered, such an extension would make XLA fail to start the backend; the import says
+    why instead, and how to rebuild."""
+    with pytest.raises(ImportError, match=r"compiled against XLA FFI API .*--no-build-isolation"):
+        _native.check_ffi_api_version("_cpu", built, runtime)
