@@ -62,6 +62,22 @@ constexpr bool forward_loads_at_once() {
   return K != 3 || (kMasked && std::is_same_v<T, __nv_bfloat16>);
 }
 
+// Whether the channel-last forward reads a step's row from its ring one step early, as the
+// backward does (backward_reads_ahead): a step is one dependency chain (ring wait, shared load,
+// widen, K multiply-adds, the activation's two MUFU ops, store), and where a launch leaves about
+// two warps a scheduler (B=8 L=2048 D=256: 256 blocks) no other warp fills its latencies; the
+// early read takes the shared load off it. The 16-bit kernels without seq_idx, where that keeps
+// their blocks per SM (sm_90 ptxas: bf16 K = 4 72 registers at its cap, K = 5 86 -> 90, K = 8
+// 120 -> 121) but float16 K = 3 (64 -> 68, 8 -> 7 blocks). The float kernels spilled 8 bytes at
+// K = 4 or lost a block at K = 2; the masked ones took 4-13 registers more (16 bytes spilled at
+// K = 6). H100 traces, BLD bf16 fwd kernel (forty-fifth session, us): B=8 L=2048 D=256 7.01 ->
+// 6.59 (L2 flushed before each call 9.31-9.34 -> 9.25-9.30), main shape K = 8 95.9-96.2 ->
+// 94.9-95.0, K = 4 93.7 -> 93.6.
+template <typename T, int K, bool kMasked>
+constexpr bool forward_reads_ahead() {
+  return sizeof(T) == 2 && !kMasked && !(std::is_same_v<T, __half> && K == 3);
+}
+
 // (B, L, D), D a multiple of C: a thread owns C channels over time_chunk steps and slides a
 // K-row register window down them; its next rows arrive through a RowRing. The step loop is
 // unrolled K times, so that the window shifts are register renaming. With seq_idx, the steps whose
@@ -149,18 +165,40 @@ __global__ void __launch_bounds__(kForwardThreads, forward_channel_last_min_bloc
       // window[tap(k)] either way.
       float window[K][C];
       const auto tap = [](int k) { return kDown ? P - k : k; };
-      // Step's row from the ring into `row`, its slot refilled.
+      // Step's row from the ring into `row`, its slot refilled. With kAhead, row_ahead holds it,
+      // read by the step before (or by read_first, after the piece's other loads are issued), and
+      // the step reads the next one (after the piece's last row, a slot not fetched: unused).
+      constexpr bool kAhead = forward_reads_ahead<T, K, kMasked>();
+      Row row_ahead;
+      const auto read_first = [&] {
+        if constexpr (kAhead) {
+          ring_wait<kForwardDepth - 1>();
+          row_ahead = x_ring.read(0);
+        }
+      };
       const auto take = [&](int step, float(&row)[C]) {
-        ring_wait<kForwardDepth - 1>();
-        widen(x_ring.template read<T, C>(step), row);
-        fetch(step + kForwardDepth);
+        if constexpr (kAhead) {
+          const Row x_row = row_ahead;
+          ring_wait<kForwardDepth - 2>();
+          row_ahead = x_ring.read(step + 1);
+          fetch(step + kForwardDepth);  // into the slot read by the step before
+          widen(from_raw<T, C>(x_row), row);
+        } else {
+          ring_wait<kForwardDepth - 1>();
+          widen(x_ring.template read<T, C>(step), row);
+          fetch(step + kForwardDepth);
+        }
       };
       if constexpr (kDown) {
+        read_first();
         for (int step = 0; step < P; ++step) take(step, window[step]);
-      } else if constexpr (kLoadsAtOnce) {
-        widen_window<T, K, C>(halo, window);
       } else {
-        load_window_before(conv, b, t0, d0, window);
+        if constexpr (kLoadsAtOnce) {
+          widen_window<T, K, C>(halo, window);
+        } else {
+          load_window_before(conv, b, t0, d0, window);
+        }
+        read_first();
       }
       using Segments = SegmentSteps<K, C>;
       const Segments segments{p, b, t0, d0, steps};
