@@ -11,6 +11,7 @@ so a newer one is an ImportError here, before anything is registered.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import re
@@ -21,6 +22,7 @@ import jax
 TARGET_PREFIX = "jax_causal_conv_"
 
 
+@functools.cache  # read once for both extensions
 def runtime_ffi_api_version() -> Optional[tuple[int, int]]:
     """The XLA FFI API version of the installed jaxlib, from the C API header it ships with (the
     one its runtime implements); None where the header cannot be read."""

@@ -77,12 +77,12 @@ KINDS = [
 ]
 
 LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+PREDICATE = re.compile(r"^@!?U?P\w+\s+")  # an instruction's guard, as in @!P0 or @UP1
 BRANCH_BACK = re.compile(r"^@!?U?P\w+\s+BRA\b.*?(0x[0-9a-f]+)")
 
 
 def kind_of(text: str) -> str:
-    body = re.sub(r"^@!?U?P\w+\s+", "", text)
-    op, _, args = body.partition(" ")
+    op, _, args = PREDICATE.sub("", text).partition(" ")
     for kind, test in KINDS:
         if test(op.split(".")[0], op, args):
             return kind
@@ -146,7 +146,7 @@ def load_rounds(body: list[tuple[int, str]], control: dict[int, int]) -> list[in
 
 
 def base_op(text: str) -> str:
-    return re.sub(r"^@!?U?P\w+\s+", "", text).split(" ")[0].split(".")[0]
+    return PREDICATE.sub("", text).split(" ")[0].split(".")[0]
 
 
 def replay(body: list[tuple[int, str]], control: dict[int, int],
@@ -156,7 +156,6 @@ def replay(body: list[tuple[int, str]], control: dict[int, int],
     scoreboard bits 8-10 (7: none), wait mask bits 11-16."""
     ready = [0] * 6  # the cycle each scoreboard clears
     clock = 0
-    passes = []
     for _ in range(3):
         start = clock
         for address, text in body:
@@ -169,8 +168,7 @@ def replay(body: list[tuple[int, str]], control: dict[int, int],
             if (read := bits >> 8 & 7) != 7:
                 ready[read] = clock + 4
             clock += max(bits & 15, 1)
-        passes.append(clock - start)
-    return passes[-1], sum(control.get(address, 0) & 15 for address, _ in body)
+    return clock - start, sum(control.get(address, 0) & 15 for address, _ in body)
 
 
 def demangle(names: list[str]) -> dict[str, str]:
