@@ -28,11 +28,15 @@
 # launches that match KERNELS are profiled with ncu's SourceCounters and WarpStateStats sections
 # into DIR/ncu_<layout>_source.ncu-rep, whose source page (per SASS instruction: executions and warp
 # stall samples) goes to DIR/ncu_<layout>_source.csv; the summary lists the instructions with the
-# most samples, TOP of them (default 40), with the running share of all samples.
+# most samples, TOP of them (default 40), with the running share of all samples, then the samples
+# by how many times their instructions ran (a step loop's lines share one count; the forty-sixth
+# session's D = 256 backward: 50-57% on its loop, 38-44% on lines run once a warp). The page
+# lists each profiled launch twice (ncu 2025.3); LAUNCHES=10 gave two launches' tables.
 #   CACHE=none SHAPE=8,2048,256 LAYOUTS=BLD KERNELS=backward_channel_last SOURCE=1 \
 #     scripts/ncu_main.sh DIR
 set -uo pipefail
 out=${1:?usage: scripts/ncu_main.sh DIR}
+mkdir -p "$out"
 if [[ ${UPDATE:-0} == 1 ]]; then
   shape=${SHAPE:-256,1,8192}
   kernels=${KERNELS:-update}
@@ -77,8 +81,8 @@ for r in rows:
     if any("Address" == c.strip('" ') for c in r):
         head = r
         tables.append((name, head, []))
-    elif len(r) == 1:
-        name = r[0]
+    elif r[0].strip() == "Kernel Name" or len(r) == 1:
+        name = next((c for c in reversed(r) if c.strip()), "?")
     elif tables and len(r) == len(tables[-1][1]):
         tables[-1][2].append(r)
 def column(head, *words):
@@ -104,6 +108,16 @@ for name, head, body in tables:
         share += value(r, samples) / total
         print(f"    {r[address]:>8} {value(r, samples):8.0f} {share:6.1%}"
               f"  x{value(r, executed):<10.0f} {r[source][:70]}")
+    # By how often an instruction ran: a loop's lines share a count (its trips times the warps),
+    # a prologue's run once a warp; where the waits are, without a listing at hand.
+    by_count = {}
+    for r in body:
+        entry = by_count.setdefault(value(r, executed), [0, 0.0])
+        entry[0] += 1
+        entry[1] += value(r, samples)
+    print("    samples by executions: " + ", ".join(
+        f"x{count:.0f} ({lines} lines) {s / total:.1%}"
+        for count, (lines, s) in sorted(by_count.items(), key=lambda item: -item[1][1])[:6]))
 PY
   done
   exit 0
