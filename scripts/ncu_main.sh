@@ -31,7 +31,7 @@
 # most samples, TOP of them (default 40), with the running share of all samples, then the samples
 # by how many times their instructions ran (a step loop's lines share one count; the forty-sixth
 # session's D = 256 backward: 50-57% on its loop, 38-44% on lines run once a warp). The page
-# lists each profiled launch twice (ncu 2025.3); LAUNCHES=10 gave two launches' tables.
+# held each launch's table twice, and LAUNCHES=10 gave two launches' tables (forty-sixth session).
 #   CACHE=none SHAPE=8,2048,256 LAYOUTS=BLD KERNELS=backward_channel_last SOURCE=1 \
 #     scripts/ncu_main.sh DIR
 set -uo pipefail
