@@ -7,7 +7,10 @@ branch back to an earlier address) and prints, for each loop of at least --min-l
 its size and its instructions by kind (FP32 arithmetic, MUFU, conversions, shuffles, moves, address
 arithmetic, memory, ...), also divided by --per (the elements a lane handles per iteration, to
 compare with ncu's instructions executed per element), and its global loads in rounds (those
-issued before a wait on one of them, read from the control bits). The whole kernel's count comes
+issued before a wait on one of them, read from the control bits). The same rounds are printed for
+the code before the first innermost loop (the prologue: where a kernel's first loads wait on each
+other; in address order, so both arms of a branch count, and without calls, which wait on every
+scoreboard and here are slow paths such as a 64-bit division's). The whole kernel's count comes
 last.
 
 Each innermost loop's schedule is replayed for one warp alone from its control bits: every
@@ -145,6 +148,17 @@ def load_rounds(body: list[tuple[int, str]], control: dict[int, int]) -> list[in
     return [n for n in rounds if n]
 
 
+def prologue(code: list[tuple[int, str]],
+             loops: list[tuple[int, int]]) -> list[tuple[int, str]]:
+    """The instructions before the first innermost loop, calls left out (see the docstring)."""
+    innermost = [(s, e) for s, e in loops
+                 if not any((s2, e2) != (s, e) and s <= s2 and e2 <= e for s2, e2 in loops)]
+    if not innermost:
+        return []
+    first = min(start for start, _ in innermost)
+    return [(a, t) for a, t in code if a < first and base_op(t) != "CALL"]
+
+
 def base_op(text: str) -> str:
     return PREDICATE.sub("", text).split(" ")[0].split(".")[0]
 
@@ -276,6 +290,8 @@ def main(argv=None) -> int:
             m = BRANCH_BACK.search(text)
             if m and int(m.group(1), 16) < address:
                 loops.append((int(m.group(1), 16), address))
+        if rounds := load_rounds(prologue(code, loops), control[f]):
+            print(f"  before the first inner loop, global loads by round: {rounds}")
         for start, end in loops:
             body = [(a, t) for a, t in code if start <= a <= end]
             inner = sum(1 for s, e in loops if (s, e) != (start, end) and start <= s and e <= end)

@@ -86,3 +86,22 @@ def test_load_rounds():
         ("FADD R7, R7, R8", control_bits(4, waits=(0,))),
     ])
     assert sass_census.load_rounds(body, control) == [2, 1]
+
+
+def test_prologue_rounds_end_at_a_wait_and_leave_out_calls():
+    code, control = parsed([
+        ("LDG.E.64 R2, desc[UR4][R10.64]", control_bits(1, write=0)),
+        ("LDG.E.64 R4, desc[UR4][R12.64]", control_bits(1, write=0)),
+        ("@!P1 CALL.REL.NOINC 0x100", control_bits(1, waits=(0,))),  # a slow path's call
+        ("LDG.E.U16 R6, desc[UR4][R14.64]", control_bits(1, write=1)),
+        ("SHF.L.U32 R7, R2, 0x10, RZ", control_bits(1, waits=(0,))),  # the first wait
+        ("LDG.E.U16 R8, desc[UR4][R16.64]", control_bits(1, write=2)),
+        ("FADD R9, R9, R7", control_bits(4)),  # the loop, 0x60-0x70
+        ("@P0 BRA 0x60", control_bits(5)),
+        ("LDG.E R1, desc[UR4][R18.64]", control_bits(1, write=3)),  # after it: not counted
+    ])
+    loops = [(0x60, 0x70)]
+    before = sass_census.prologue(code, loops)
+    assert [a for a, _ in before] == [0x00, 0x10, 0x30, 0x40, 0x50]
+    assert sass_census.load_rounds(before, control) == [3, 1]
+    assert sass_census.prologue(code, []) == []
