@@ -35,6 +35,10 @@
 #   VARIANT_CASES="--layout BDL --features; --layout BDL --shape 8,2048,256" (with
 #       STEPS="variants"): traces of those profile_kernels.py argument sets (';' between them), after
 #       VARIANT_TRACE's; VARIANT_BENCH=0 leaves bench.py out, so that the rounds only trace
+#   VARIANTS="build/prebuilt/main build/prebuilt/trial" (with STEPS="variants"): a variant that is
+#       a folder holding an installed package (pip install --target, on a machine with the
+#       device's Python, as in the thirty-seventh session) is timed as it is, without a build;
+#       carry the folder (the run tool's limit of 64 MiB holds two builds of about 25 MB)
 #   PYTHONPATH=/tmp/variant_a STEPS="tests examples determinism sanitizer" scripts/gpu_check.sh
 #       a build the variants step left on a machine still warm, tested in place: without the build
 #       step every step imports the package from PYTHONPATH (forty-first session)
@@ -262,6 +266,10 @@ if step variants; then
     name=$(variant_name "$tree")
     # A warm machine keeps an earlier call's builds, and pip --target does not replace them.
     rm -rf "/tmp/variant_$name"
+    if [[ -d $tree/jax_causal_conv ]]; then  # built elsewhere (pip install --target), carried
+      cp -r "$tree" "/tmp/variant_$name"
+      continue
+    fi
     if ! source_tree=$(variant_tree "$tree"); then
       summary+=("$name: patch did not apply")
       continue
