@@ -148,11 +148,16 @@ def load_rounds(body: list[tuple[int, str]], control: dict[int, int]) -> list[in
     return [n for n in rounds if n]
 
 
+def nested_in(loop: tuple[int, int], loops: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The loops (start, end) inside `loop`, other than itself."""
+    start, end = loop
+    return [(s, e) for s, e in loops if (s, e) != loop and start <= s and e <= end]
+
+
 def prologue(code: list[tuple[int, str]],
              loops: list[tuple[int, int]]) -> list[tuple[int, str]]:
     """The instructions before the first innermost loop, calls left out (see the docstring)."""
-    innermost = [(s, e) for s, e in loops
-                 if not any((s2, e2) != (s, e) and s <= s2 and e2 <= e for s2, e2 in loops)]
+    innermost = [loop for loop in loops if not nested_in(loop, loops)]
     if not innermost:
         return []
     first = min(start for start, _ in innermost)
@@ -294,7 +299,7 @@ def main(argv=None) -> int:
             print(f"  before the first inner loop, global loads by round: {rounds}")
         for start, end in loops:
             body = [(a, t) for a, t in code if start <= a <= end]
-            inner = sum(1 for s, e in loops if (s, e) != (start, end) and start <= s and e <= end)
+            inner = len(nested_in((start, end), loops))
             if len(body) >= args.min_loop:
                 nested = f" (holds {inner} inner loops, counted again)" if inner else ""
                 print_census(f"loop {start:#06x}-{end:#06x}{nested}", census(body), args.per)
