@@ -79,11 +79,10 @@ fi
 summary+=("gpu: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)")
 # From outside the checkout, so the installed package (with its extensions) is imported. The
 # variants step alone imports none: it builds each tree into its own /tmp/variant_<name>.
-if [[ " $STEPS " == " variants " ]]; then
-  summary+=("jax: $(cd /tmp && python3 -c 'import jax; print(jax.__version__, jax.devices()[0].platform)' 2>&1 | tail -1) (the package: each variant's build)")
-else
-  summary+=("jax: $(cd /tmp && python3 -c 'import jax, jax_causal_conv._native as n; print(jax.__version__, jax.devices()[0].platform, sorted(n.native_platforms))' 2>&1 | tail -1)")
-fi
+probe='import jax, jax_causal_conv._native as n; print(jax.__version__, jax.devices()[0].platform, sorted(n.native_platforms))'
+[[ " $STEPS " == " variants " ]] &&
+  probe='import jax; print(jax.__version__, jax.devices()[0].platform, "(the package: each variant build)")'
+summary+=("jax: $(cd /tmp && python3 -c "$probe" 2>&1 | tail -1)")
 
 if step tests; then
   # Most of the time is XLA compiling on the host: PYTEST_JOBS processes share the GPU, each taking
