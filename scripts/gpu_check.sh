@@ -265,7 +265,9 @@ if step variants; then
     name=$(variant_name "$tree")
     # A warm machine keeps an earlier call's builds, and pip --target does not replace them.
     rm -rf "/tmp/variant_$name"
-    if [[ -d $tree/jax_causal_conv ]]; then  # built elsewhere (pip install --target), carried
+    # Built elsewhere (pip install --target) and carried: told by pip's record of the install, as
+    # a source tree (this checkout, ".") holds the package's sources too.
+    if compgen -G "$tree/jax_causal_conv-*.dist-info" >/dev/null; then
       cp -r "$tree" "/tmp/variant_$name"
       continue
     fi
