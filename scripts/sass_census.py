@@ -38,6 +38,13 @@ also needs nvdisasm on its PATH, from the nvidia-cuda-nvdisasm wheel):
 
 Counts are static (instructions in the loop body, not executed ones); a loop's iterations times
 its size, plus the code outside it, should come close to ncu's smsp__inst_executed.
+
+--against OBJECT instead lists the kernels matching --kernel whose SASS differs between the first
+build (--object, or the compile) and OBJECT, with their instruction counts: which kernels a
+change touches (a trial's static check), two builds of the same code comparing equal (branch
+targets and the per-build hash in anonymous namespaces' names are not compared).
+
+    python3 scripts/sass_census.py --object /tmp/main.cubin --against /tmp/trial.cubin --kernel .
 """
 
 from __future__ import annotations
@@ -82,6 +89,9 @@ KINDS = [
 LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 PREDICATE = re.compile(r"^@!?U?P\w+\s+")  # an instruction's guard, as in @!P0 or @UP1
 BRANCH_BACK = re.compile(r"^@!?U?P\w+\s+BRA\b.*?(0x[0-9a-f]+)")
+# An instruction that takes a code address (a branch, a call, a convergence barrier's target).
+TARGETED = re.compile(r"^(@!?U?P\w+\s+)?(BRA|BSSY|CALL|JMP)\b")
+ANONYMOUS = re.compile(r"_GLOBAL__N__[0-9a-f]+_")  # nvcc's per-build hash in the name
 
 
 def kind_of(text: str) -> str:
@@ -203,6 +213,21 @@ def census(instructions: list[tuple[int, str]]) -> collections.Counter:
     return collections.Counter(kind_of(text) for _, text in instructions)
 
 
+def changed_functions(before: str, after: str) -> list[tuple[str, int, int]]:
+    """The functions whose instructions differ between two cuobjdump -sass listings, as (name,
+    instructions before, after), 0 where a listing lacks the function; code addresses in
+    branches and the anonymous namespaces' hash are not compared."""
+    def normal(sass: str) -> dict[str, list[str]]:
+        return {ANONYMOUS.sub("_GLOBAL__N__", name):
+                [re.sub(r"0x[0-9a-f]+", "0x", text) if TARGETED.match(text) else text
+                 for _, text in code]
+                for name, code in functions(sass).items()}
+
+    a, b = normal(before), normal(after)
+    return [(name, len(a.get(name, [])), len(b.get(name, [])))
+            for name in sorted(a.keys() | b.keys()) if a.get(name) != b.get(name)]
+
+
 def print_census(title: str, counts: collections.Counter, per: float) -> None:
     total = sum(counts.values())
     print(f"  {title}: {total} instructions, {total / per:.2f} per element")
@@ -249,6 +274,9 @@ def main(argv=None) -> int:
                         help="the CUDA files to compile (default: the conv kernels' two)")
     parser.add_argument("--object", default=None,
                         help="an object file or cubin to disassemble instead of compiling --source")
+    parser.add_argument("--against", default=None, metavar="OBJECT",
+                        help="list the matching kernels whose SASS differs from this object's "
+                             "instead of counting")
     parser.add_argument("--arch", default="sm_90")
     parser.add_argument("--per", type=float, default=8.0,
                         help="elements a lane handles per loop iteration (8: bf16 channel-first)")
@@ -269,18 +297,27 @@ def main(argv=None) -> int:
     if shutil.which(args.cuobjdump) is None and not os.path.exists(args.cuobjdump):
         parser.error(f"no cuobjdump at {args.cuobjdump!r}: see this script's docstring for the "
                      "pip wheel that has it")
+    for given, path in (("--object", args.object), ("--against", args.against)):
+        if path is not None and not os.path.exists(path):
+            parser.error(f"{given} {path!r} does not exist")
     if args.object is not None:
-        if not os.path.exists(args.object):
-            parser.error(f"--object {args.object!r} does not exist")
         sass = disassemble(args.cuobjdump, args.object)
     else:
         sass = compile_and_disassemble(args, parser)
         if sass is None:
             return 1
+    pattern = re.compile(args.kernel)
+    if args.against is not None:
+        changes = changed_functions(sass, disassemble(args.cuobjdump, args.against))
+        names = demangle([name for name, _, _ in changes])
+        changes = [c for c in changes if pattern.search(names[c[0]])]
+        for name, before, after in changes:
+            print(f"{before:6d} -> {after:6d}  {names[name]}")
+        print(f"{len(changes)} kernels matching {args.kernel!r} differ")
+        return 0
     funcs = functions(sass)
     control = controls(sass)
     names = demangle(list(funcs))
-    pattern = re.compile(args.kernel)
     matched = [f for f in funcs if pattern.search(names[f])]
     if not matched:
         print(f"no kernel matches {args.kernel!r} among {len(funcs)}", file=sys.stderr)

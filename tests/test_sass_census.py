@@ -105,3 +105,24 @@ def test_prologue_rounds_end_at_a_wait_and_leave_out_calls():
     assert [a for a, _ in before] == [0x00, 0x10, 0x30, 0x40, 0x50]
     assert sass_census.load_rounds(before, control) == [3, 1]
     assert sass_census.prologue(code, []) == []
+
+
+def test_changed_functions_ignore_branch_targets_and_the_anonymous_hash():
+    def two_functions(name, first, second):
+        return "\n".join([listing(first).replace("Function : kernel", f"Function : {name}"),
+                          listing(second).replace("Function : kernel", "Function : other")])
+
+    plain = [("FADD R1, R2, R3", control_bits(1)), ("@P0 BRA 0x40", control_bits(5)),
+             ("SHF.L.U32 R4, R4, 0x10, RZ", control_bits(1))]
+    moved = [("FADD R1, R2, R3", control_bits(1)), ("@P0 BRA 0x80", control_bits(5)),
+             ("SHF.L.U32 R4, R4, 0x10, RZ", control_bits(1))]
+    shifted = [("FADD R1, R2, R3", control_bits(1)), ("@P0 BRA 0x40", control_bits(5)),
+               ("SHF.L.U32 R4, R4, 0x8, RZ", control_bits(1))]
+    build_a = two_functions("_ZN2ns22_GLOBAL__N__bc25600e_1_k", plain, plain)
+    build_b = two_functions("_ZN2ns22_GLOBAL__N__6e6cc300_1_k", moved, plain)
+    assert sass_census.changed_functions(build_a, build_b) == []
+    build_c = two_functions("_ZN2ns22_GLOBAL__N__6e6cc300_1_k", moved, shifted)
+    assert sass_census.changed_functions(build_a, build_c) == [("other", 3, 3)]
+    build_d = listing(plain)  # one function, "kernel", in neither of the others
+    assert sass_census.changed_functions(build_a, build_d) == [
+        ("_ZN2ns22_GLOBAL__N__1_k", 3, 0), ("kernel", 0, 3), ("other", 3, 0)]
