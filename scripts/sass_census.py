@@ -244,7 +244,7 @@ def compile_and_disassemble(args: argparse.Namespace, parser: argparse.ArgumentP
     """The SASS of each --source compiled for --arch, or None (nvcc's errors printed) if one
     fails."""
     try:
-        import jaxlib  # noqa: F401  (the XLA FFI headers ship with jaxlib)
+        import jaxlib  # the XLA FFI headers ship with jaxlib
         ffi_include = os.path.join(os.path.dirname(jaxlib.__file__), "include")
     except ImportError:
         parser.error("jaxlib is not importable: its include directory has the XLA FFI headers")
@@ -256,7 +256,7 @@ def compile_and_disassemble(args: argparse.Namespace, parser: argparse.ArgumentP
                                     f"-arch={args.arch}", "-cubin",
                                     "-I", os.path.join(ROOT, "cuda"), "-I", ffi_include, source,
                                     "-o", cubin],
-                                   capture_output=True, text=True)
+                                   capture_output=True, text=True, check=False)
             if built.returncode != 0:  # its warnings (the XLA FFI headers have some) only then
                 print(built.stderr, file=sys.stderr)
                 return None
