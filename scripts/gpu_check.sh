@@ -42,7 +42,18 @@
 #   PYTHONPATH=/tmp/variant_a STEPS="tests examples determinism sanitizer" scripts/gpu_check.sh
 #       a build the variants step left on a machine still warm, tested in place: without the build
 #       step every step imports the package from PYTHONPATH (forty-first session)
+#   REQUIRE_GPU=H200 STEPS=variants ...  # exit 3 at once, before any step, unless the GPU's name
+#       holds that text: a run tool that lends an H100 or an H200 for the same request then costs
+#       the start only, where the work means something on one of them (forty-ninth session: four
+#       calls for an H200 got H100s)
 set -uo pipefail
+if [[ -n ${REQUIRE_GPU:-} ]]; then
+  gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+  if [[ $gpu_name != *"$REQUIRE_GPU"* ]]; then
+    echo "REQUIRE_GPU=$REQUIRE_GPU: this machine's GPU is $gpu_name; nothing run"
+    exit 3
+  fi
+fi
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 STEPS=${STEPS:-"build tests examples"}
