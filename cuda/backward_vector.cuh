@@ -34,10 +34,13 @@ struct ChannelLastTiles {
 
 // Blocks per SM the register allocation must allow. Up to 16 weights a thread needs about 132
 // registers, 3 blocks of 128 per SM; capped at 128 (4 blocks) the main workload's backward took
-// 131.5 us against 135.7. Wider kernels keep what they need: the cap makes them spill. With
-// seq_idx the cap holds as well: the tap tests run in the checked copy only (see below). Up to 8
-// weights (float K = 2) the kernels took at most 93 registers, 5 blocks, before the grouped
-// blocks' sums; bounded at 5 they keep them (unbounded, the masked one took 100).
+// 131.5 us against 135.7. Wider kernels keep what they need: the cap makes them spill, and a
+// looser one lost too (the plain 16-bit K = 7-8 kernels held to 3 blocks, 168 registers, their
+// rows cut into tiles that fill them: H100, K = 8 +11.5%, K = 7 +5%; ncu: 40% more warps, issue
+// 62 -> 55%, each warp's scoreboard stalls doubled; forty-ninth session). With seq_idx the cap
+// holds as well: the tap tests run in the checked copy only (see below). Up to 8 weights (float
+// K = 2) the kernels took at most 93 registers, 5 blocks, before the grouped blocks' sums; bounded
+// at 5 they keep them (unbounded, the masked one took 100).
 template <typename T, int K>
 constexpr int backward_min_blocks() {
   constexpr int kWeights = channels_per_thread<T, K, kBackwardBudget>() * K;
