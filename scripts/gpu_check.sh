@@ -44,7 +44,7 @@
 #       step every step imports the package from PYTHONPATH (forty-first session)
 #   REQUIRE_GPU=H200 STEPS=variants ...  # exit 3 at once, before any step, unless the GPU's name
 #       holds that text: a run tool that lends an H100 or an H200 for the same request then costs
-#       the start only, where the work means something on one of them (forty-ninth session: four
+#       the start only, where the work means something on one of them (forty-ninth session: six
 #       calls for an H200 got H100s)
 set -uo pipefail
 if [[ -n ${REQUIRE_GPU:-} ]]; then
