@@ -113,8 +113,19 @@ bool launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
         std::min(kMaxGridBlocks, (threads + kForwardThreads - 1) / kForwardThreads);
     // Odd pieces run down where a warp's 32 threads take packs of one piece (a row's packs whole
     // runs of 32), so that a warp never holds both directions, and their halos lie at or after
-    // time 0.
-    const bool alternate = (p.channels / C) % kLanes == 0 && time_chunk >= K - 1;
+    // time 0; and only where x and y together pass the L2 (or the runtime cannot say its size).
+    // Where they fit, a halo row's second read finds the L2 in either order, and a downward piece
+    // costs its thread P more ring steps and a second memory round (weights, then biases) before
+    // its first step, which at one wave of pieces the kernel's end waits for. H100 traces, BLD
+    // fwd kernel us (fiftieth session; all pieces upward against alternating): bf16 B=8 L=2048
+    // D=256 6.62-6.66 -> 6.30, K = 8 7.55 -> 7.23, B=8 L=1024 D=512 6.59-6.61 -> 6.34, B=4 L=2048
+    // D=1024 10.72 -> 10.43, float32 D=256 8.99 -> 8.93; where they pass it the downward pieces
+    // gain: B=8 L=2048 D=1024 25.09 against 25.18 upward, D=4096 93.8-94.0 against 94.8, K = 8
+    // 94.9-95.1 against 98.3-98.5, B=1 L=65536 365.0-365.3 against 371.5-371.7.
+    const int64_t x_bytes = p.batch * p.length * p.channels * int64_t{sizeof(T)};
+    const int64_t l2_bytes = device_attribute(current_device(), cudaDevAttrL2CacheSize);
+    const bool alternate =
+        (p.channels / C) % kLanes == 0 && time_chunk >= K - 1 && 2 * x_bytes > l2_bytes;
     kernel<<<blocks, kForwardThreads, 0, stream>>>(p, time_chunk, alternate);
     return kMasked;
   }

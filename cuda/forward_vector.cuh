@@ -88,15 +88,15 @@ constexpr bool forward_reads_ahead() {
 // thread started alongside streams about a piece's time later (some 18 us on the main workload,
 // about 70 MB of DRAM traffic through a 50 MB L2): so each halo row is read from DRAM twice
 // where the L2 has not kept it, 3 of every 39 rows a thread reads at 36-step pieces. With
-// `alternate` (set by the launch where a warp's threads share one piece of time, see
-// launch_vector_forward) the odd pieces of time run down instead, from their last row to the
-// first of their halo: an odd piece then reads its halo at the end of its stream, when the even
-// piece below reads the same rows at the end of its own, and an even piece reads its halo at its
-// start, when the odd piece below starts on those rows, so that the second read of each halo row
-// finds it in the L2. A downward piece streams its halo through its ring and fills its first
-// window from its own first rows; it takes the taps in the upward order, so that its outputs are
-// bit for bit the upward ones. Odd pieces start at time_chunk >= K - 1, so their halos never
-// reach before time 0 (the initial state).
+// `alternate` (set by the launch where a warp's threads share one piece of time and x and y pass
+// the L2, see launch_vector_forward) the odd pieces of time run down instead, from their last
+// row to the first of their halo: an odd piece then reads its halo at the end of its stream, when
+// the even piece below reads the same rows at the end of its own, and an even piece reads its
+// halo at its start, when the odd piece below starts on those rows, so that the second read of
+// each halo row finds it in the L2. A downward piece streams its halo through its ring and fills
+// its first window from its own first rows; it takes the taps in the upward order, so that its
+// outputs are bit for bit the upward ones. Odd pieces start at time_chunk >= K - 1, so their
+// halos never reach before time 0 (the initial state).
 template <typename T, int K, bool kMasked>
 __global__ void __launch_bounds__(kForwardThreads, forward_channel_last_min_blocks<T, K, kMasked>())
     forward_channel_last_kernel(ConvParams p, int64_t time_chunk, bool alternate) {
