@@ -38,7 +38,9 @@
 #   VARIANTS="build/prebuilt/main build/prebuilt/trial" (with STEPS="variants"): a variant that is
 #       a folder holding an installed package (pip install --target, on a machine with the
 #       device's Python, as in the thirty-seventh session) is timed as it is, without a build;
-#       carry the folder (the run tool's limit of 64 MiB holds two builds of about 25 MB)
+#       carry the folder (the run tool's limit of 64 MiB holds two builds of about 25 MB), or that
+#       folder packed (`tar -cf - NAME | xz -6 > build/xz/NAME.tar.xz` in build/prebuilt: about 8
+#       MB) as VARIANTS="build/xz/main.tar.xz build/xz/trial.tar.xz" (fiftieth session)
 #   PYTHONPATH=/tmp/variant_a STEPS="tests examples determinism sanitizer" scripts/gpu_check.sh
 #       a build the variants step left on a machine still warm, tested in place: without the build
 #       step every step imports the package from PYTHONPATH (forty-first session)
@@ -240,6 +242,7 @@ if step variants; then
   # A variant's name: main for this checkout, else its patches' names joined by '_'.
   variant_name() {
     [[ $1 == . ]] && { echo main; return; }
+    [[ $1 == *.tar.xz ]] && { basename "$1" .tar.xz; return; }
     [[ $1 == *.patch ]] || { basename "$1"; return; }
     local part parts names=()
     IFS='+' read -ra parts <<<"$1"
@@ -277,7 +280,14 @@ if step variants; then
     # A warm machine keeps an earlier call's builds, and pip --target does not replace them.
     rm -rf "/tmp/variant_$name"
     # Built elsewhere (pip install --target) and carried: told by pip's record of the install, as
-    # a source tree (this checkout, ".") holds the package's sources too.
+    # a source tree (this checkout, ".") holds the package's sources too; or packed, a .tar.xz of
+    # that folder (about 8 MB against 25, so that a call's 64 MiB carry holds five builds).
+    if [[ $tree == *.tar.xz ]]; then
+      rm -rf "/tmp/variant_unpack_$name" && mkdir -p "/tmp/variant_unpack_$name" &&
+        tar -xJf "$tree" -C "/tmp/variant_unpack_$name" &&
+        mv "/tmp/variant_unpack_$name"/* "/tmp/variant_$name"
+      continue
+    fi
     if compgen -G "$tree/jax_causal_conv-*.dist-info" >/dev/null; then
       cp -r "$tree" "/tmp/variant_$name"
       continue
