@@ -283,9 +283,7 @@ if step variants; then
     # a source tree (this checkout, ".") holds the package's sources too; or packed, a .tar.xz of
     # that folder (about 8 MB against 25, so that a call's 64 MiB carry holds five builds).
     if [[ $tree == *.tar.xz ]]; then
-      rm -rf "/tmp/variant_unpack_$name" && mkdir -p "/tmp/variant_unpack_$name" &&
-        tar -xJf "$tree" -C "/tmp/variant_unpack_$name" &&
-        mv "/tmp/variant_unpack_$name"/* "/tmp/variant_$name"
+      mkdir -p "/tmp/variant_$name" && tar -xJf "$tree" -C "/tmp/variant_$name" --strip-components=1
       continue
     fi
     if compgen -G "$tree/jax_causal_conv-*.dist-info" >/dev/null; then
