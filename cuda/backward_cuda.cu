@@ -244,6 +244,15 @@ PartialSlices launch_vector_backward(cudaStream_t stream, const ConvParams& p, f
         std::min(kMaxGridBlocks, (threads + kBackwardThreads - 1) / kBackwardThreads);
     const ChannelLastTiles split{tile_len, tiles, FastDivisor(grouped ? packs / kLanes : packs),
                                  FastDivisor(slices)};
+    if constexpr (backward_edge_copies_by_tile<T, K, kMasked>()) {
+      if (tile_len >= kCheckedEdgesMinTile) {
+        // The same registers and blocks an SM as `kernel` (sm_90 ptxas: bf16 214 against 202,
+        // float16 208 against 206, 2 blocks either way), so tile_len's plan holds for it.
+        backward_channel_last_kernel<T, K, kMasked, false>
+            <<<blocks, kBackwardThreads, 0, stream>>>(p, partials, split);
+        return {rows_per_group, slices};
+      }
+    }
     kernel<<<blocks, kBackwardThreads, 0, stream>>>(p, partials, split);
     return {rows_per_group, slices};
   }

@@ -125,6 +125,28 @@ enum class StepCopy { kChecked, kInterior, kHead, kTail };
 template <StepCopy kCopy>
 using StepCopyConstant = std::integral_constant<StepCopy, kCopy>;
 
+// Whether the plain channel-last backward runs kHead and kTail where a tile allows them. Not at
+// 16-bit K = 2 (8 channels a thread, at the cap of 128 registers): with the copies ptxas spilled
+// 8-16 bytes of the bfloat16 kernel, 16-32 of the float16 one. At 16-bit K = 8 the launch takes
+// both kernels (kCheckedEdgesMinTile): the copies grow its code by half (bf16 138 KB against
+// 94), and they won in short tiles and lost in long ones. H200 traces, BLD bf16 K = 8 bwd kernel
+// (fiftieth session, us, copies against checked edges): B=8 L=2048 D=4096 (512-step tiles)
+// 136.1-136.4 against 132.2-132.8, B=1 L=65536 481-483 against 472; 32-step tiles (B=8 L=1024
+// D=512, B=8 L=2048 D=256) 18.8-19.0 against 20.8. At K = 7 the copies won at 512 steps too
+// (trace spans 127.4-127.8 against 129.1-129.5).
+template <typename T, int K>
+constexpr bool backward_edge_copies() {
+  return !(sizeof(T) == 2 && K == 2);
+}
+template <typename T, int K, bool kMasked>
+constexpr bool backward_edge_copies_by_tile() {
+  return sizeof(T) == 2 && K == 8 && !kMasked;
+}
+// Tiles from which backward_edge_copies_by_tile's kernels run the checked edges (a tile's edge
+// steps are 2P of its steps: 44% of a 32-step tile at K = 8, 2.7% of a 512-step one; tiles of
+// 64-255 steps not timed).
+constexpr int64_t kCheckedEdgesMinTile = 256;
+
 // (B, L, D), D a multiple of C. A thread owns C channels over one tile [t0, t1) and streams s from
 // t0 to t1 + P - 1 with K-row register windows of x and delta. At step s it finishes delta_s, adds
 // delta_s's dw/db terms when it owns s, and emits dx_{s-P}, whose deltas (s-P .. s) are all in the
@@ -140,7 +162,7 @@ using StepCopyConstant = std::integral_constant<StepCopy, kCopy>;
 // and last P steps run the checked copy. With seq_idx, so do the steps whose windows SegmentSteps
 // finds across a segment boundary or at padding, with tap tests. Without seq_idx, the first and
 // last P steps of a tile inside its row run copies without tests too (StepCopy).
-template <typename T, int K, bool kMasked>
+template <typename T, int K, bool kMasked, bool kEdgeCopies = backward_edge_copies<T, K>()>
 __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
     backward_channel_last_kernel(ConvParams p, float* partials, ChannelLastTiles split) {
   constexpr int C = channels_per_thread<T, K, kBackwardBudget>();
@@ -385,9 +407,6 @@ __global__ void __launch_bounds__(kBackwardThreads, backward_min_blocks<T, K>())
               }
             });
       } else {
-        // Not at 16-bit K = 2 (8 channels a thread, at the cap of 128 registers): with the copies
-        // ptxas spilled 8-16 bytes of the bfloat16 kernel, 16-32 of the float16 one.
-        constexpr bool kEdgeCopies = !(sizeof(T) == 2 && K == 2);
         const bool inner_head = kEdgeCopies && owned >= P && first_u == t0;
         const bool inner_tail = kEdgeCopies && owned >= P && live_steps == owned + P;
         with_bool_constant(p.silu, [&](auto silu) {
@@ -674,13 +693,20 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
       dy_ring.fetch(at, static_cast<const T*>(p.dy) + offset, s < lane_end);
       ring_commit();
     };
-    // The first packs before the params, the bias by a predicated load beside the weights and the
-    // carry in one round: so that an item's start waits for one memory round, not three in series
-    // (the weights, then the bias behind a branch on p.bias, then the first packs). ncu per SASS
-    // line (thirty-eighth session, plain bf16 K = 4): the per-item code, 16% of the instructions,
-    // held 39.5% of the stall samples, 16.8% on the weights' and bias's widening and the first
-    // ring read alone.
+    // The first packs, then the carry's loads (widened after the weights'), then the params, the
+    // bias by a predicated load beside the weights: so that an item's start waits for one memory
+    // round, not several in series (the weights, then the bias behind a branch on p.bias, then
+    // the first packs; the carry after the weights' widening until the forty-eighth session).
+    // ncu per SASS line (thirty-eighth session, plain bf16 K = 4): the per-item code, 16% of the
+    // instructions, held 39.5% of the stall samples, 16.8% on the weights' and bias's widening
+    // and the first ring read alone.
     for (int a = 0; a < kAhead; ++a) fetch(item.c0 + a * kSegment, a);
+    T carry_stored[P];
+    ChannelFirstCarry<K>::template load_values<true>(
+        static_cast<const T*>(p.x) + item.row * p.length,
+        p.initial_state == nullptr ? nullptr
+                                   : static_cast<const T*>(p.initial_state) + item.row * P,
+        item.c0, carry_stored);
     float w[K][1], bias[1];
     load_param_row<T, true>(p, item.param_row, w, bias);
     // Held opaque: with a channel a half-warp, NVVM recomputed item.b * length for each masked
@@ -688,11 +714,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
     const int32_t* segment_row = kMasked ? p.seq_idx + item.b * p.length : nullptr;
     asm("" : "+l"(segment_row));
     ChannelFirstCarry<K> carry;
-    carry.template load<true>(static_cast<const T*>(p.x) + item.row * p.length,
-                              p.initial_state == nullptr
-                                  ? nullptr
-                                  : static_cast<const T*>(p.initial_state) + item.row * P,
-                              item.c0);
+    carry.widen(carry_stored);
     float dw[K + 1] = {};  // dw[K] is db
 
     // Called for segments c0, c0 + kSegment, ... in order, every one below loaded_end; interior

@@ -540,25 +540,42 @@ struct ChannelFirstCarry {
   // load: P rounds (sm_90 SASS, fortieth session).
   template <bool kAtOnce = false, typename T>
   __device__ __forceinline__ void load(const T* x_row, const T* state_row, int64_t t) {
+    load_values<kAtOnce>(x_row, state_row, t, x);
+  }
+
+  // load's values into out, as floats (load) or stored as they are (Out = T), for an item that
+  // loads its weights after them and then widens both (widen): so that the two wait as one memory
+  // round. With load<true> after load_param_row, ptxas widened the weights before the carry's
+  // branches, and the carry's loads waited a second round (ncu per SASS line, forty-eighth
+  // session, H100: the packed bf16 K = 4 backward with an initial state, 672 stall samples on the
+  // carry's widening after 1102 on the weights').
+  template <bool kAtOnce, typename T, typename Out>
+  __device__ __forceinline__ static void load_values(const T* x_row, const T* state_row, int64_t t,
+                                                     Out (&out)[P]) {
     if constexpr (kAtOnce) {
       if (t >= P) {
-        for (int j = 0; j < P; ++j) x[j] = static_cast<float>(x_row[t - P + j]);
+        for (int j = 0; j < P; ++j) out[j] = static_cast<Out>(x_row[t - P + j]);
         return;
       }
       if (t == 0 && state_row == nullptr) {
-        for (int j = 0; j < P; ++j) x[j] = 0.0f;
+        for (int j = 0; j < P; ++j) out[j] = Out(0.0f);
         return;
       }
       if (t == 0) {
-        for (int j = 0; j < P; ++j) x[j] = static_cast<float>(state_row[j]);
+        for (int j = 0; j < P; ++j) out[j] = static_cast<Out>(state_row[j]);
         return;
       }
     }
     for (int j = 0; j < P; ++j) {
       const int64_t u = t - P + j;
-      x[j] = u >= 0 ? static_cast<float>(x_row[u])
-                    : (state_row == nullptr ? 0.0f : static_cast<float>(state_row[u + P]));
+      out[j] = u >= 0 ? static_cast<Out>(x_row[u])
+                      : (state_row == nullptr ? Out(0.0f) : static_cast<Out>(state_row[u + P]));
     }
+  }
+
+  template <typename T>
+  __device__ __forceinline__ void widen(const T (&stored)[P]) {
+    for (int j = 0; j < P; ++j) x[j] = static_cast<float>(stored[j]);
   }
 
   // For the segment of which own is the lane's pack: xs[j] = x_{t0-P+j}, t0 the lane's first time,

@@ -156,6 +156,19 @@ def test_segment_boundaries_long_rows(dev, dtype, width):
     compare(dev, rng, args, seq_idx, dtype, activation="silu", layout="BLD", final="random")
 
 
+# The plain 16-bit channel-last backward at K = 8 in tiles of 256 steps or more, which runs its
+# tiles' first and last P steps in the checked copy (kCheckedEdgesMinTile; shorter tiles, as in
+# the other tests, take the edge copies): 256 columns cut into 128 tiles a row of 256 steps.
+@pytest.mark.parametrize("state", [False, True], ids=["no_state", "state"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dev", GPU)
+def test_long_tiles_checked_edges(dev, dtype, state):
+    rng = np.random.default_rng(13)
+    args, _ = inputs(rng, dtype, batch=2, length=32768, channels=512, width=8, layout="BLD",
+                     state=state)
+    compare(dev, rng, args, None, dtype, activation="silu", layout="BLD", final="random")
+
+
 # The channel-last backward's grouped blocks (D = 256: 32 to 128 packs a row for every dtype and
 # width, whole runs of 32): a block's warps take one run over 4 consecutive tiles and sum their
 # dw/db. With so few columns the tiles are 32 steps long: L = 650 makes 21 tiles, five whole
