@@ -49,10 +49,10 @@
 #       the start only, where the work means something on one of them (forty-ninth session: six
 #       calls for an H200 got H100s)
 set -uo pipefail
+gpu_info=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)
 if [[ -n ${REQUIRE_GPU:-} ]]; then
-  gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-  if [[ $gpu_name != *"$REQUIRE_GPU"* ]]; then
-    echo "REQUIRE_GPU=$REQUIRE_GPU: this machine's GPU is $gpu_name; nothing run"
+  if [[ ${gpu_info%%,*} != *"$REQUIRE_GPU"* ]]; then
+    echo "REQUIRE_GPU=$REQUIRE_GPU: this machine's GPU is ${gpu_info%%,*}; nothing run"
     exit 3
   fi
 fi
@@ -89,7 +89,7 @@ if step build; then
     exit 1
   fi
 fi
-summary+=("gpu: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)")
+summary+=("gpu: $gpu_info")
 # From outside the checkout, so the installed package (with its extensions) is imported. The
 # variants step alone imports none: it builds each tree into its own /tmp/variant_<name>.
 probe='import jax, jax_causal_conv._native as n; print(jax.__version__, jax.devices()[0].platform, sorted(n.native_platforms))'
