@@ -646,6 +646,15 @@ constexpr int channel_first_backward_ahead() {
   return channel_first_backward_interior_pairs<K, kMasked>() || masked_at_3 ? 2 : 4;
 }
 
+// The most items of one weight group's channel group (its batch rows' chunks) for which the plain
+// channel-first backward runs in clusters that sum dw/db themselves (backward_cuda.cu): a warp
+// an item, in clusters of at most 8 blocks (the portable cluster size). The launch takes them
+// only where the items fill whole blocks: idle warps would lengthen the waves (B=1 L=65536
+// D=4096 bf16 cuts its rows into 9 chunks, whose clusters of 3 blocks would idle a quarter of
+// their warps); and only where they fill the device (see the launch).
+constexpr int kMaxClusterBlocks = 8;
+constexpr int kMaxClusterItems = kMaxClusterBlocks * kChannelFirstThreads / kLanes;
+
 // (B, D, L), L a multiple of the pack V. A group of lanes (kWidth, see above) streams chunk_len
 // times of one (b, d) row in segments of kWidth V times, lane l of the group owning V consecutive
 // times of each. Per segment it computes delta (x halos from lower lanes by shuffle) and, once
@@ -655,13 +664,16 @@ constexpr int channel_first_backward_ahead() {
 // after it again (they belong to the next chunk). A warp item takes a channel per group; with
 // seq_idx, kUniformChannels channels, whose uniform segments it finds once; those run the unmasked
 // arithmetic, the others load their seq_idx entries.
-template <typename T, int K, bool kMasked>
+template <typename T, int K, bool kMasked, bool kClusterSums = false>
 __global__ void
 __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, kMasked>())
-    backward_channel_first_kernel(ConvParams p, float* partials, ChannelFirstSplit split) {
+    backward_channel_first_kernel(ConvParams p, float* partials, void* dweight, void* dbias,
+                                  ChannelFirstSplit split) {
   constexpr int V = kPack<T>;
   constexpr int P = K - 1;
   constexpr int kWidth = channel_first_backward_width<T, K, kMasked>();
+  constexpr int kGroups = kLanes / kWidth;
+  static_assert(!kClusterSums || !kMasked, "clusters take one channel a group of lanes");
   constexpr int64_t kSegment = kWidth * V;
   constexpr bool kInteriorPairs = channel_first_backward_interior_pairs<K, kMasked>();
   constexpr int kAhead = channel_first_backward_ahead<T, K, kMasked>();
@@ -671,6 +683,11 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
   __shared__ Word x_slots[kAhead * kChannelFirstThreads], dy_slots[kAhead * kChannelFirstThreads];
   const RowRing<kAhead, Word, kChannelFirstThreads> x_ring{x_slots}, dy_ring{dy_slots};
   allow_dependent_grid();  // the reduction's blocks may wait on the SMs (see launch_dependent)
+  using Sums = std::conditional_t<kClusterSums,
+                                  ClusterSums<kMaxClusterItems, kGroups * (K + 1)>, NoSums>;
+  __shared__ Sums cluster_sums;
+  if constexpr (kClusterSums) cluster_sums.start();
+  float item_sum = 0.0f;  // with kClusterSums, the warp's item's sum (lane <= K of each group)
   // The item's channel `item` (times [c0, c1)). Bit 0 of uniform.before: whether the next segment
   // that segment_delta takes is uniform for its deltas; of uniform.after, whether the next segment
   // that segment_dx takes is for its dx. They take the segments below loaded_end and c1: the
@@ -870,16 +887,40 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
     for (; s < item.c1; s += kSegment) segment_dx(s, std::false_type{}, step);
     const float sum = warp_sum_scatter<kWidth>(dw, lane);
     ring_wait<0>();  // the fetches past the item land before the next item's reuse their slots
-    if (lane <= K) {
+    if constexpr (kClusterSums) {
+      item_sum = sum;
+    } else if (lane <= K) {
       partials[((item.b * item.chunks + item.chunk) * p.channels + item.d) * (K + 1) + lane] = sum;
     }
   };
   with_bool_constant(p.silu, [&](auto silu) {
     for_each_channel_first_item<V, P, kMasked, ItemKept::kNothing, kWidth, kUniformChannels,
-                                channel_first_backward_shares_check<T, K>()>(
+                                channel_first_backward_shares_check<T, K>(), kClusterSums>(
         p, split, P,
         [&](const ChannelFirstItem& item, UniformSegments uniform) { run(item, uniform, silu); });
   });
+  if constexpr (kClusterSums) {
+    // Row: the warp's slot in the cluster; column: its group's channel, then k.
+    const ClusterPlace place(split);
+    const int items = static_cast<int>(ClusterPlace::slots(split));
+    const int group = (threadIdx.x % kLanes) / kWidth;
+    cluster_sums.hand_over(static_cast<int>(place.slot), group * (K + 1) + lane, lane <= K,
+                           item_sum, items);
+    if (Sums::leader() && threadIdx.x < kGroups * (K + 1)) {
+      const int64_t d = place.channel_group * kGroups + threadIdx.x / (K + 1);
+      const int k = threadIdx.x % (K + 1);
+      if (d < p.channels) {
+        const float total = cluster_sums.total(threadIdx.x, items);
+        const int64_t row = param_row_of(p, place.first_batch_row(split), d, split.batch_per_group);
+        if (k == K) {
+          store_param<T, float>(dbias, row, total, p.params_like_x);
+        } else {
+          store_param<T, float>(dweight, row * K + k, total, p.params_like_x);
+        }
+      }
+    }
+    cluster_sums.finish();
+  }
 }
 
 // ---- channel-first backward on tensor cores: bfloat16, K = 7 and 8, no seq_idx or states ----

@@ -869,6 +869,39 @@ __device__ __forceinline__ void halo_after(const U (&own)[V], const U (&next)[V]
   }
 }
 
+// A warp's place in a launch in clusters (launch_clustered) where each cluster takes every item of
+// one weight group's channel group, a warp each: cluster g * channel_groups + c holds the items of
+// channel group c in the batch rows of weight group g, its warps' slots in the order (batch row,
+// chunk), so that one block can sum the channels' dw/db (ClusterSums).
+struct ClusterPlace {
+  int64_t slot, weight_group, channel_group;
+
+  __device__ __forceinline__ explicit ClusterPlace(const ChannelFirstSplit& split)
+      : slot(int64_t{cluster_rank()} * (blockDim.x / kLanes) + threadIdx.x / kLanes) {
+    const int64_t cluster = cluster_index();
+    weight_group = cluster / split.channel_groups;
+    channel_group = cluster - weight_group * split.channel_groups.d;
+  }
+
+  // The slots of a cluster: the items of its weight group's batch rows.
+  __device__ __forceinline__ static int64_t slots(const ChannelFirstSplit& split) {
+    return split.batch_per_group.d * split.chunks.d;
+  }
+
+  // The first batch row of the weight group.
+  __device__ __forceinline__ int64_t first_batch_row(const ChannelFirstSplit& split) const {
+    return weight_group * split.batch_per_group.d;
+  }
+
+  // The warp's item, its index in ChannelFirstItem's order.
+  __device__ __forceinline__ int64_t item(const ChannelFirstSplit& split) const {
+    const int64_t row_in_group = slot / split.chunks;
+    const int64_t chunk = slot - row_in_group * split.chunks.d;
+    const int64_t b = first_batch_row(split) + row_in_group;
+    return (b * split.channel_groups.d + channel_group) * split.chunks.d + chunk;
+  }
+};
+
 // What for_each_channel_first_item holds opaque to the compiler through an item's channels, so
 // that NVVM keeps it in registers where it otherwise computed it again for each channel from the
 // item's index (by the three divisions of ChannelFirstItem): nothing; the channel count (the
@@ -893,8 +926,8 @@ enum class ItemKept { kNothing, kChannels, kRows };
 // whole rows of one batch row (a choice of the whole block), they share the uniform check
 // (uniform_segments' kWarps); the launch must then be of kChannelFirstThreads, so a caller opts in.
 template <int V, int P, bool kMasked, ItemKept kKept = ItemKept::kNothing, int kWidth = kLanes,
-          int kMaskedChannels = kUniformChannels, bool kShareCheck = false, typename Start,
-          typename Run>
+          int kMaskedChannels = kUniformChannels, bool kShareCheck = false,
+          bool kClustered = false, typename Start, typename Run>
 __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
                                                             const ChannelFirstSplit& split,
                                                             int64_t extra, const Start& start,
@@ -907,8 +940,10 @@ __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
   const int lane = threadIdx.x % kLanes;
   const int64_t items = channel_first_items<kMasked, kWidth, kMaskedChannels>(p, split.chunks.d);
   const int64_t warps_per_grid = int64_t{gridDim.x} * (blockDim.x / kLanes);
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x / kLanes} + threadIdx.x / kLanes;
-       i < items; i += warps_per_grid) {
+  const int64_t first_item =
+      kClustered ? ClusterPlace(split).item(split)
+                 : blockIdx.x * int64_t{blockDim.x / kLanes} + threadIdx.x / kLanes;
+  for (int64_t i = first_item; i < items; i += kClustered ? items : warps_per_grid) {
     const ChannelFirstItem first(i, split, p, G);
     if constexpr (G == 1) {
       start(first);
@@ -962,11 +997,13 @@ __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
 
 // The same without start, for run(item, uniform).
 template <int V, int P, bool kMasked, ItemKept kKept = ItemKept::kNothing, int kWidth = kLanes,
-          int kMaskedChannels = kUniformChannels, bool kShareCheck = false, typename Run>
+          int kMaskedChannels = kUniformChannels, bool kShareCheck = false,
+          bool kClustered = false, typename Run>
 __device__ __forceinline__ void for_each_channel_first_item(const ConvParams& p,
                                                             const ChannelFirstSplit& split,
                                                             int64_t extra, const Run& run) {
-  for_each_channel_first_item<V, P, kMasked, kKept, kWidth, kMaskedChannels, kShareCheck>(
+  for_each_channel_first_item<V, P, kMasked, kKept, kWidth, kMaskedChannels, kShareCheck,
+                              kClustered>(
       p, split, extra, [](const ChannelFirstItem&) {},
       [&](const ChannelFirstItem& item, UniformSegments uniform, bool) { run(item, uniform); });
 }

@@ -63,8 +63,21 @@ __device__ __forceinline__ void wait_for_prior_grid() {
 #endif
 }
 
-// kernel<<<grid, block, 0, stream>>>(args...), as a dependent launch where the device has them. A
-// failed launch leaves its error for cuda_status, as <<<>>> does.
+// kernel<<<grid, block, 0, stream>>>(args...) with one launch attribute. A failed launch leaves
+// its error for cuda_status, as <<<>>> does.
+template <typename... Params, typename... Args>
+void launch_with_attribute(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
+                           cudaLaunchAttribute attribute, Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+// kernel<<<grid, block, 0, stream>>>(args...), as a dependent launch where the device has them.
 template <typename... Params, typename... Args>
 void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
                       Args&&... args) {
@@ -75,18 +88,140 @@ void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStre
   cudaLaunchAttribute attribute{};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.stream = stream;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  launch_with_attribute(kernel, grid, block, stream, attribute, std::forward<Args>(args)...);
 }
 
 // A warp's lanes, and the mask of all of them for the *_sync intrinsics.
 constexpr int kLanes = 32;
 constexpr unsigned kFullWarp = 0xffffffffu;
+
+// kernel<<<grid, block, 0, stream>>>(args...) in clusters of cluster_blocks consecutive blocks
+// (compute capability 9.0 and later; grid a multiple of cluster_blocks, at most 8).
+template <typename... Params, typename... Args>
+void launch_clustered(void (*kernel)(Params...), dim3 grid, dim3 block, unsigned cluster_blocks,
+                      cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = cluster_blocks;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  launch_with_attribute(kernel, grid, block, stream, attribute, std::forward<Args>(args)...);
+}
+
+// ClusterSums' stand-in in kernels launched without clusters.
+struct NoSums {};
+
+// This block's rank in its cluster, and its cluster's index in the grid (launch_clustered's 1-D
+// clusters; 0 and blockIdx.x without clusters).
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t rank = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+#endif
+  return rank;
+}
+
+__device__ __forceinline__ uint32_t cluster_index() {
+  uint32_t index = blockIdx.x;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm("mov.u32 %0, %%clusterid.x;" : "=r"(index));
+#endif
+  return index;
+}
+
+// Sums that each warp of a cluster (launch_clustered) hands to the cluster's first block, its
+// leader, without global memory: a warp stores its row of kColumns values into the leader's
+// shared `rows` by st.async, which counts the bytes on the leader's mbarrier, and the leader
+// waits for the count, then reads the rows in their order (so the sums it makes are bitwise
+// deterministic). Neither a fence nor the warps' other stores stand between a warp's values and
+// the leader: a fence (as a second kernel's launch, or a global-memory handover's
+// __threadfence) waits for every store the thread has in flight. The protocol, each step by
+// every thread of every block of the cluster: start (the mbarrier's set-up, and the cluster
+// barrier's first arrival), then hand_over (a warp's row, or none), then the leader's
+// total(column, rows) as often as it needs, then finish (which keeps the cluster's other blocks
+// resident until the leader has every row: the shared memory they store into must outlive
+// their stores). sm_90 and later; on older devices the launchers take no cluster.
+template <int kRows, int kColumns>
+struct ClusterSums {
+  float rows[kRows][kColumns];
+  uint64_t arrived;  // the leader's mbarrier: one arrival (its own) and the rows' bytes
+
+  __device__ __forceinline__ void start() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (threadIdx.x == 0) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(&arrived))
+                   : "memory");
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+#endif
+  }
+
+  // Stores the thread's value (where has_value) into column `column` of the leader's row `row`,
+  // once every block has started; the leader then waits for rows_expected whole rows.
+  __device__ __forceinline__ void hand_over(int row, int column, bool has_value, float value,
+                                            int rows_expected) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait;" ::: "memory");
+    if (leader() && threadIdx.x == 0) {
+      const uint32_t bytes = static_cast<uint32_t>(rows_expected * kColumns * sizeof(float));
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
+                       shared_address(&arrived)),
+                   "r"(bytes)
+                   : "memory");
+    }
+    if (has_value) {
+      const uint32_t at = leader_address(&rows[row][column]);
+      const uint32_t barrier = leader_address(&arrived);
+      asm volatile(
+          "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(at),
+          "r"(__float_as_uint(value)), "r"(barrier)
+          : "memory");
+    }
+    if (leader()) {
+      uint32_t done = 0;
+      do {
+        asm volatile(
+            "{\n .reg .pred complete;\n"
+            " mbarrier.try_wait.parity.shared::cta.b64 complete, [%1], 0;\n"
+            " selp.u32 %0, 1, 0, complete;\n}"
+            : "=r"(done)
+            : "r"(shared_address(&arrived))
+            : "memory");
+      } while (!done);
+    }
+    asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+#endif
+  }
+
+  // The leader's sum of column `column` over rows 0 .. count - 1, in that order.
+  __device__ __forceinline__ float total(int column, int count) const {
+    float sum = 0.0f;
+    for (int r = 0; r < count; ++r) sum += rows[r][column];
+    return sum;
+  }
+
+  __device__ __forceinline__ void finish() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait;" ::: "memory");
+#endif
+  }
+
+  __device__ __forceinline__ static bool leader() { return cluster_rank() == 0; }
+
+  __device__ __forceinline__ static uint32_t shared_address(const void* at) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(at));
+  }
+
+  // The address of the leader's copy of this block's `at` (a member of this struct).
+  __device__ __forceinline__ static uint32_t leader_address(const void* at) {
+    uint32_t remote = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(remote) : "r"(shared_address(at)));
+#endif
+    return remote;
+  }
+};
 
 inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 

@@ -571,6 +571,42 @@ def test_channel_first_half_segments(dev, dtype, width, channels):
     compare(dev, rng, args, None, dtype, activation="silu", layout="BDL", final="random")
 
 
+# Without seq_idx, where a cluster of at most 8 blocks (32 warp items) holds every item of a weight
+# group's channel group and the grid fills the device at least once, the channel-first backward's
+# clusters sum dw/db themselves (ClusterSums): rows of 256 times, whole items, in 4 batch rows of
+# 2048 channels (clusters of one block), 8 of 1024 (two blocks) and 32 of 201 (eight blocks; an odd
+# channel count: the last item's second half-warp repeats its channel), with and without the
+# states, float32's one channel a warp. Those grids hold 3232-8192 warps (the H200 and H100 hold
+# 2112-3168 of these kernels'). The shapes of one partial wave take the plain kernel and the
+# reduction: few rows cut into 8-16 chunks (24 and 32 items a channel group), rows whose last
+# segment is partial (1000), and 16 rows of 64 channels (64 items a channel group in 16-bit).
+@pytest.mark.parametrize("state", [False, True], ids=["no_state", "state"])
+@pytest.mark.parametrize("shape", [(4, 256, 2048), (8, 256, 1024), (32, 256, 201), (3, 1000, 5),
+                                   (2, 2048, 6), (16, 2048, 64)],
+                         ids=["b4_d2048", "b8_d1024", "b32_d201", "b3_d5", "b2_d6", "b16_d64"])
+@pytest.mark.parametrize("width", [2, 4, 8])
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dev", GPU)
+def test_channel_first_cluster_sums(dev, dtype, width, shape, state):
+    rng = np.random.default_rng(100 * width + shape[2])
+    batch, length, channels = shape
+    args, _ = inputs(rng, dtype, batch=batch, length=length, channels=channels, width=width,
+                     layout="BDL", state=state)
+    compare(dev, rng, args, None, dtype, activation="silu", layout="BDL",
+            final="random" if state else "none")
+
+
+# The same clusters under weight groups (vmapped parameters over one x: 3 groups of 8 batch rows
+# of 1001 channels, whole rows of 256 times: 12024 warps, clusters of two blocks): each cluster
+# holds one group's items of two channels.
+@pytest.mark.parametrize("dev", GPU)
+def test_channel_first_cluster_sums_weight_groups(dev):
+    rng = np.random.default_rng(15)
+    members, batch, length, channels, width = 3, 8, 256, 1001, 4
+    x = jnp.asarray(rng.standard_normal((batch, channels, length)), jnp.bfloat16)
+    assert_weight_group_grads(dev, rng, x, members, width, "BDL")
+
+
 # The bfloat16 channel-first backward at K = 7 and 8 in few or short rows: items of fewer than
 # kMmaMinItemBlocks blocks of 128 times, which the scalar kernel takes (rows whose last pack is
 # partial, whole packs, rows cut into chunks), lengths 1, 7 and 130 other kernels (not multiples
