@@ -1,0 +1,75 @@
+// How many clusters of the channel-first backward's clustered kernel (backward_vector.cuh,
+// kClusterSums) a device runs at once, by cluster size, against the blocks of its plain kernel:
+// a clustered grid of more clusters than that runs a second, partial wave. The launch rule in
+// backward_cuda.cu takes clusters only for grids that fill the device at least once, because
+// in one partial wave (B=8 L=2048 D=256 bf16: 128 clusters of 4 blocks) the clustered kernel
+// took 10.4-10.5 us against the plain kernel's 8.6-8.9 on an H100 (fifty-second and fifty-third
+// sessions); this asks the runtime whether that grid fits the clusters it can hold. On a GPU
+// machine, from the repository root:
+//
+//   nvcc -std=c++17 --expt-relaxed-constexpr -arch=sm_90 -O3 -Icuda -I<XLA FFI headers> \
+//     scripts/cluster_occupancy.cu -o /tmp/cluster_occupancy && /tmp/cluster_occupancy
+//
+// (the FFI headers: `python3 scripts/ffi_headers.py DIR`, or jax.ffi.include_dir()).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdio>
+
+#include "backward_vector.cuh"
+
+namespace {
+
+using causal_conv::backward_channel_first_kernel;
+using causal_conv::kChannelFirstThreads;
+
+template <typename T, int K>
+int report(const char* dtype) {
+  int plain_blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          &plain_blocks, backward_channel_first_kernel<T, K, false, false>, kChannelFirstThreads,
+          0) != cudaSuccess) {
+    std::printf("%s K=%d: occupancy query failed: %s\n", dtype, K,
+                cudaGetErrorString(cudaGetLastError()));
+    return 1;
+  }
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  std::printf("%s K=%d: plain kernel %d blocks an SM, %d at once on %d SMs\n", dtype, K,
+              plain_blocks, plain_blocks * sms, sms);
+  for (const unsigned cluster_blocks : {1u, 2u, 4u, 8u}) {
+    cudaLaunchAttribute attribute{};
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = cluster_blocks;
+    attribute.val.clusterDim.y = 1;
+    attribute.val.clusterDim.z = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(cluster_blocks * 128);
+    config.blockDim = dim3(kChannelFirstThreads);
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, backward_channel_first_kernel<T, K, false, true>,
+                                       &config) != cudaSuccess) {
+      std::printf("  clusters of %u: query failed: %s\n", cluster_blocks,
+                  cudaGetErrorString(cudaGetLastError()));
+      return 1;
+    }
+    std::printf("  clusters of %u blocks: %d at once (%d blocks)\n", cluster_blocks, clusters,
+                clusters * static_cast<int>(cluster_blocks));
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main() {
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) {
+    std::printf("no CUDA device: %s\n", cudaGetErrorString(cudaGetLastError()));
+    return 1;
+  }
+  std::printf("%s\n", prop.name);
+  return report<__nv_bfloat16, 4>("bfloat16") | report<float, 4>("float32") |
+         report<__nv_bfloat16, 8>("bfloat16");
+}
