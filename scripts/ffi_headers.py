@@ -50,8 +50,10 @@ def main(argv=None) -> int:
                     out.write(src.read())
     with open(os.path.join(args.dest, "xla", "ffi", "api", "c_api.h")) as f:
         text = f.read()
-    version = ".".join(re.search(rf"#define XLA_FFI_API_{part} (\d+)", text).group(1)
-                       for part in ("MAJOR", "MINOR"))
+    # The version is for the message only: a release whose c_api.h spells it otherwise still has
+    # its headers written.
+    found = [re.search(rf"#define XLA_FFI_API_{part} (\d+)", text) for part in ("MAJOR", "MINOR")]
+    version = ".".join(m.group(1) for m in found) if all(found) else "(version not found)"
     print(f"jaxlib {args.jaxlib}: {len(headers)} headers, XLA FFI API {version}, in {args.dest}")
     return 0
 
