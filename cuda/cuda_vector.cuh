@@ -95,17 +95,23 @@ void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStre
 constexpr int kLanes = 32;
 constexpr unsigned kFullWarp = 0xffffffffu;
 
-// kernel<<<grid, block, 0, stream>>>(args...) in clusters of cluster_blocks consecutive blocks
-// (compute capability 9.0 and later; grid a multiple of cluster_blocks, at most 8).
-template <typename... Params, typename... Args>
-void launch_clustered(void (*kernel)(Params...), dim3 grid, dim3 block, unsigned cluster_blocks,
-                      cudaStream_t stream, Args&&... args) {
+// The launch attribute of 1-D clusters of cluster_blocks consecutive blocks.
+inline cudaLaunchAttribute cluster_dimension(unsigned cluster_blocks) {
   cudaLaunchAttribute attribute{};
   attribute.id = cudaLaunchAttributeClusterDimension;
   attribute.val.clusterDim.x = cluster_blocks;
   attribute.val.clusterDim.y = 1;
   attribute.val.clusterDim.z = 1;
-  launch_with_attribute(kernel, grid, block, stream, attribute, std::forward<Args>(args)...);
+  return attribute;
+}
+
+// kernel<<<grid, block, 0, stream>>>(args...) in clusters of cluster_blocks consecutive blocks
+// (compute capability 9.0 and later; grid a multiple of cluster_blocks, at most 8).
+template <typename... Params, typename... Args>
+void launch_clustered(void (*kernel)(Params...), dim3 grid, dim3 block, unsigned cluster_blocks,
+                      cudaStream_t stream, Args&&... args) {
+  launch_with_attribute(kernel, grid, block, stream, cluster_dimension(cluster_blocks),
+                        std::forward<Args>(args)...);
 }
 
 // ClusterSums' stand-in in kernels launched without clusters.

@@ -38,11 +38,7 @@ int report(const char* dtype) {
   std::printf("%s K=%d: plain kernel %d blocks an SM, %d at once on %d SMs\n", dtype, K,
               plain_blocks, plain_blocks * sms, sms);
   for (const unsigned cluster_blocks : {1u, 2u, 4u, 8u}) {
-    cudaLaunchAttribute attribute{};
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = cluster_blocks;
-    attribute.val.clusterDim.y = 1;
-    attribute.val.clusterDim.z = 1;
+    cudaLaunchAttribute attribute = causal_conv::cluster_dimension(cluster_blocks);
     cudaLaunchConfig_t config{};
     config.gridDim = dim3(cluster_blocks * 128);
     config.blockDim = dim3(kChannelFirstThreads);
