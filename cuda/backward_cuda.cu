@@ -208,6 +208,35 @@ inline int64_t steps_per_thread(int64_t columns, int64_t length, int64_t residen
   return std::min(kMaxSteps, std::max(min_steps, (length + pieces - 1) / pieces));
 }
 
+// Launches kClustered (a channel-first backward with kClusterSums) in clusters that each take
+// every item of a weight group's channel group (ClusterPlace), whose first block sums their dw/db
+// (ClusterSums), so that the reduction's launch goes; or returns false where kPlain, its twin
+// without clusters, is to run instead: where a cluster of at most 8 blocks cannot hold those
+// items in whole blocks, and where the grid would not fill the device once (kPlain's
+// occupancy). H100, BDL bwd by bench.py's loop (fifty-second and fifty-third sessions): B=8
+// L=2048 D=4096 bf16 143.5 -> 142.0 us, float16 143.4 -> 142.0, D = 8192 280.1 -> 278.1. In one
+// partial wave (B=8 L=2048 D=256 bf16: 2048 warps, 2640 resident) the clustered kernel took
+// 10.4-10.5 us against main's 8.8-8.9 and its reduction, no gain by the loop, and neither
+// spreading its clusters over the SMs nor capping blocks an SM mended that.
+template <auto kPlain, auto kClustered>
+bool launch_cluster_sums(cudaStream_t stream, const ConvParams& p, const ChannelFirstSplit& split,
+                         float* partials, void* dweight, void* dbias) {
+  constexpr int64_t kWarps = kChannelFirstThreads / kLanes;
+  const int64_t cluster_items = p.batch / p.groups * split.chunks.d;
+  const int64_t cluster_blocks = cluster_items / kWarps;
+  const int64_t blocks = p.groups * split.channel_groups.d * cluster_blocks;
+  const int64_t resident_warps = resident_threads<kPlain>(kChannelFirstThreads) / kLanes;
+  if (cluster_items % kWarps != 0 || cluster_items > kMaxClusterItems ||
+      blocks > kMaxGridBlocks || resident_warps == 0 || blocks * kWarps < resident_warps ||
+      device_attribute(current_device(), cudaDevAttrClusterLaunch) == 0) {
+    return false;
+  }
+  launch_clustered(kClustered, dim3(static_cast<unsigned>(blocks)), dim3(kChannelFirstThreads),
+                   static_cast<unsigned>(cluster_blocks), stream, p, partials, dweight, dbias,
+                   split);
+  return true;
+}
+
 // Launches dx, dS and the dw/db partials (or dweight and dbias themselves); returns where the
 // partials lie.
 template <typename T, int K, bool kMasked>
@@ -286,8 +315,12 @@ PartialSlices launch_vector_backward(cudaStream_t stream, const ConvParams& p, f
     if (!has_states(p) &&
         chunk_len >= kMmaMinItemBlocks * kMmaBlock) {
       const ChannelFirstSplit split(p, chunk_len, 1);
+      if (launch_cluster_sums<kernel, backward_channel_first_mma_kernel<K, true>>(
+              stream, p, split, partials, dweight, dbias)) {
+        return {rows_per_group, split.chunks.d, true};
+      }
       kernel<<<grid_for_warps(rows * split.chunks.d), kChannelFirstThreads, 0, stream>>>(
-          p, partials, split);
+          p, partials, nullptr, nullptr, split);
       return {rows_per_group, split.chunks.d};
     }
   }
@@ -297,25 +330,8 @@ PartialSlices launch_vector_backward(cudaStream_t stream, const ConvParams& p, f
       p, backward_item_segments<kMasked>(p.length, int64_t{kWidth} * kPack<T>));
   const ChannelFirstSplit split(p, chunk_len, channels_per_item<kMasked, kWidth>());
   if constexpr (!kMasked) {
-    // Where a cluster can hold every item of a weight group's channels, its first block sums
-    // their dw/db (ClusterSums), and the reduction's launch goes; only where the grid fills the
-    // device at least once. H100, BDL bwd by bench.py's loop (fifty-second and fifty-third
-    // sessions): B=8 L=2048 D=4096 bf16 143.5 -> 142.0 us, float16 143.4 -> 142.0, D = 8192
-    // 280.1 -> 278.1. In one partial wave (B=8 L=2048 D=256 bf16: 2048 warps, 2640 resident) the
-    // clustered kernel took 10.4-10.5 us against main's 8.8-8.9 and its reduction, no gain by the
-    // loop, and neither spreading its clusters over the SMs nor capping blocks an SM mended that.
-    constexpr int64_t kWarps = kChannelFirstThreads / kLanes;
-    const int64_t cluster_items = rows_per_group * split.chunks.d;
-    const int64_t cluster_blocks = cluster_items / kWarps;
-    const int64_t blocks = p.groups * split.channel_groups.d * cluster_blocks;
-    const int64_t resident_warps = resident_threads<kernel>(kChannelFirstThreads) / kLanes;
-    if (cluster_items % kWarps == 0 && cluster_items <= kMaxClusterItems &&
-        blocks <= kMaxGridBlocks && resident_warps > 0 && blocks * kWarps >= resident_warps &&
-        device_attribute(current_device(), cudaDevAttrClusterLaunch) != 0) {
-      launch_clustered(backward_channel_first_kernel<T, K, false, true>,
-                       dim3(static_cast<unsigned>(blocks)), dim3(kChannelFirstThreads),
-                       static_cast<unsigned>(cluster_blocks), stream, p, partials, dweight,
-                       dbias, split);
+    if (launch_cluster_sums<kernel, backward_channel_first_kernel<T, K, false, true>>(
+            stream, p, split, partials, dweight, dbias)) {
       return {rows_per_group, split.chunks.d, true};
     }
   }

@@ -655,6 +655,41 @@ constexpr int channel_first_backward_ahead() {
 constexpr int kMaxClusterBlocks = 8;
 constexpr int kMaxClusterItems = kMaxClusterBlocks * kChannelFirstThreads / kLanes;
 
+// Sums of a channel-first backward launched in clusters that each take every item of a weight
+// group's channel group (ClusterPlace), one item a warp: a row of kChannels * (K + 1) columns a
+// warp, in ClusterSums.
+template <int K, int kChannels>
+using ChannelClusterSums = ClusterSums<kMaxClusterItems, kChannels * (K + 1)>;
+
+// The clustered kernels' end: the thread's value `sum` (where has_value) goes to column `column`
+// of its warp's row in the cluster's first block, which then sums each column over the rows and
+// stores the cluster's channels' dweight and dbias (channel c of the channel group: columns
+// c (K + 1) + k, k < K its taps', k = K its bias's).
+template <typename T, int K, int kChannels>
+__device__ __forceinline__ void store_cluster_sums(ChannelClusterSums<K, kChannels>& cluster_sums,
+                                                   const ConvParams& p,
+                                                   const ChannelFirstSplit& split, int column,
+                                                   bool has_value, float sum, void* dweight,
+                                                   void* dbias) {
+  const ClusterPlace place(split);
+  const int items = static_cast<int>(ClusterPlace::slots(split));
+  cluster_sums.hand_over(static_cast<int>(place.slot), column, has_value, sum, items);
+  if (cluster_sums.leader() && threadIdx.x < kChannels * (K + 1)) {
+    const int64_t d = place.channel_group * kChannels + threadIdx.x / (K + 1);
+    const int k = threadIdx.x % (K + 1);
+    if (d < p.channels) {
+      const float total = cluster_sums.total(threadIdx.x, items);
+      const int64_t row = param_row_of(p, place.first_batch_row(split), d, split.batch_per_group);
+      if (k == K) {
+        store_param<T, float>(dbias, row, total, p.params_like_x);
+      } else {
+        store_param<T, float>(dweight, row * K + k, total, p.params_like_x);
+      }
+    }
+  }
+  cluster_sums.finish();
+}
+
 // (B, D, L), L a multiple of the pack V. A group of lanes (kWidth, see above) streams chunk_len
 // times of one (b, d) row in segments of kWidth V times, lane l of the group owning V consecutive
 // times of each. Per segment it computes delta (x halos from lower lanes by shuffle) and, once
@@ -683,8 +718,7 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
   __shared__ Word x_slots[kAhead * kChannelFirstThreads], dy_slots[kAhead * kChannelFirstThreads];
   const RowRing<kAhead, Word, kChannelFirstThreads> x_ring{x_slots}, dy_ring{dy_slots};
   allow_dependent_grid();  // the reduction's blocks may wait on the SMs (see launch_dependent)
-  using Sums = std::conditional_t<kClusterSums,
-                                  ClusterSums<kMaxClusterItems, kGroups * (K + 1)>, NoSums>;
+  using Sums = std::conditional_t<kClusterSums, ChannelClusterSums<K, kGroups>, NoSums>;
   __shared__ Sums cluster_sums;
   if constexpr (kClusterSums) cluster_sums.start();
   float item_sum = 0.0f;  // with kClusterSums, the warp's item's sum (lane <= K of each group)
@@ -900,26 +934,9 @@ __launch_bounds__(kChannelFirstThreads, channel_first_backward_min_blocks<T, K, 
         [&](const ChannelFirstItem& item, UniformSegments uniform) { run(item, uniform, silu); });
   });
   if constexpr (kClusterSums) {
-    // Row: the warp's slot in the cluster; column: its group's channel, then k.
-    const ClusterPlace place(split);
-    const int items = static_cast<int>(ClusterPlace::slots(split));
     const int group = (threadIdx.x % kLanes) / kWidth;
-    cluster_sums.hand_over(static_cast<int>(place.slot), group * (K + 1) + lane, lane <= K,
-                           item_sum, items);
-    if (Sums::leader() && threadIdx.x < kGroups * (K + 1)) {
-      const int64_t d = place.channel_group * kGroups + threadIdx.x / (K + 1);
-      const int k = threadIdx.x % (K + 1);
-      if (d < p.channels) {
-        const float total = cluster_sums.total(threadIdx.x, items);
-        const int64_t row = param_row_of(p, place.first_batch_row(split), d, split.batch_per_group);
-        if (k == K) {
-          store_param<T, float>(dbias, row, total, p.params_like_x);
-        } else {
-          store_param<T, float>(dweight, row * K + k, total, p.params_like_x);
-        }
-      }
-    }
-    cluster_sums.finish();
+    store_cluster_sums<T, K, kGroups>(cluster_sums, p, split, group * (K + 1) + lane, lane <= K,
+                                      item_sum, dweight, dbias);
   }
 }
 
@@ -1183,11 +1200,13 @@ __device__ __forceinline__ float mma_entry_sum(const uint32_t* entries, int k) {
 // (B, D, L) bfloat16 without seq_idx or states, L a multiple of 8 and longer than the short
 // rows': a warp takes one channel's times [c0, c1) (c0 a multiple of kMmaBlock) in blocks of
 // kMmaBlock, and the first block after them for the dx of its last times. dw/db sums go to
-// partials[b, chunk, d, 0..K] as the scalar kernel's do, in a fixed order. Correct for items of
-// any length; launched for those of kMmaMinItemBlocks blocks or more.
-template <int K>
+// partials[b, chunk, d, 0..K] as the scalar kernel's do, in a fixed order, or with kClusterSums
+// (a launch in clusters, as the scalar kernel's) to the cluster's first block, which stores dw
+// and db. Correct for items of any length; launched for those of kMmaMinItemBlocks blocks or more.
+template <int K, bool kClusterSums = false>
 __global__ void __launch_bounds__(kChannelFirstThreads, kMmaBlocksPerSm)
-    backward_channel_first_mma_kernel(ConvParams p, float* partials, ChannelFirstSplit split) {
+    backward_channel_first_mma_kernel(ConvParams p, float* partials, void* dweight, void* dbias,
+                                      ChannelFirstSplit split) {
   using T = __nv_bfloat16;
   constexpr int P = K - 1;
   // Up to 9 taps a block's pre-activations are one product (lags up to 8). Up to 8, column 0 of
@@ -1206,6 +1225,10 @@ __global__ void __launch_bounds__(kChannelFirstThreads, kMmaBlocksPerSm)
   // Lane l's 16 bytes of the warp's slot 0 (see fetch), as a shared-window address for cp.async.
   const uint32_t slots_shared =
       static_cast<uint32_t>(__cvta_generic_to_shared(&ring[warp][0][0])) + 16 * lane;
+  using Sums = std::conditional_t<kClusterSums, ChannelClusterSums<K, 1>, NoSums>;
+  __shared__ Sums cluster_sums;
+  if constexpr (kClusterSums) cluster_sums.start();
+  float item_sum = 0.0f;  // with kClusterSums, the warp's item's sum (lanes 0 .. K)
   const auto run = [&](const ChannelFirstItem& item, auto silu) {
     const int64_t row_words = p.length / 2;
     const int64_t row_at = item.row * row_words + lane;
@@ -1238,8 +1261,8 @@ __global__ void __launch_bounds__(kChannelFirstThreads, kMmaBlocksPerSm)
     __syncwarp();
     for (int m = 0; m < kMmaRing - 1; ++m) fetch(m);
     // Where the item's sums go, found before the blocks: the item's indices need not live
-    // through them (with them, 80 registers spilled 8 bytes).
-    float* const sums_at =
+    // through them (with them, 80 registers spilled 8 bytes). Unused with kClusterSums.
+    [[maybe_unused]] float* const sums_at =
         partials + ((item.b * item.chunks + item.chunk) * p.channels + item.d) * (K + 1);
     float* const by_lag = taps_by_lag[warp];
     const MmaTapRow tap_row = mma_tap_row<K>(p, item.param_row, lane);
@@ -1330,12 +1353,23 @@ __global__ void __launch_bounds__(kChannelFirstThreads, kMmaBlocksPerSm)
     uint32_t* const entries = slots[0];
     mma_store_entries(dw, entries, lane);
     __syncwarp();
-    if (lane <= K) sums_at[lane] = mma_entry_sum<K>(entries, lane);
+    if (lane <= K) {
+      const float sum = mma_entry_sum<K>(entries, lane);
+      if constexpr (kClusterSums) {
+        item_sum = sum;
+      } else {
+        sums_at[lane] = sum;
+      }
+    }
   };
   with_bool_constant(p.silu, [&](auto silu) {
-    for_each_channel_first_item<kPack<T>, P, false, ItemKept::kNothing, kLanes>(
+    for_each_channel_first_item<kPack<T>, P, false, ItemKept::kNothing, kLanes, kUniformChannels,
+                                false, kClusterSums>(
         p, split, P, [&](const ChannelFirstItem& item, UniformSegments) { run(item, silu); });
   });
+  if constexpr (kClusterSums) {
+    store_cluster_sums<T, K, 1>(cluster_sums, p, split, lane, lane <= K, item_sum, dweight, dbias);
+  }
 }
 
 // Batch rows whose packs (x and dy) a short-row backward lane has in flight, through cp.async

@@ -285,11 +285,13 @@ def test_channel_last_final_state_seq_idx(dev, dtype, width):
                     final="random")
 
 
-def assert_weight_group_grads(dev, rng, x, members, width, layout):
-    """dx, dw and db of a loss through causal_conv1d with bf16 parameters vmapped over `members`
-    weight groups (x shared: one call, the groups' dw/db summed over their own batch rows) against
-    the reference's, in float64 on the CPU."""
-    channels = x.shape[-1] if layout == "BLD" else x.shape[1]
+def assert_weight_group_grads(dev, seed, shape, width, layout, members=3):
+    """dx, dw and db of a loss through causal_conv1d of a fresh bf16 x of `shape` with bf16
+    parameters vmapped over `members` weight groups (x shared: one call, the groups' dw/db summed
+    over their own batch rows) against the reference's, in float64 on the CPU."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    channels = shape[-1] if layout == "BLD" else shape[1]
     w = jnp.asarray(rng.standard_normal((members, channels, width)) / 2, jnp.bfloat16)
     b = jnp.asarray(rng.standard_normal((members, channels)), jnp.bfloat16)
 
@@ -310,10 +312,7 @@ def assert_weight_group_grads(dev, rng, x, members, width, layout):
 # whose dw/db the reduction sums over each group's rows and slices.
 @pytest.mark.parametrize("dev", GPU)
 def test_grouped_tiles_weight_groups(dev):
-    rng = np.random.default_rng(12)
-    members, batch, length, channels, width = 3, 2, 650, 256, 4
-    x = jnp.asarray(rng.standard_normal((batch, length, channels)), jnp.bfloat16)
-    assert_weight_group_grads(dev, rng, x, members, width, "BLD")
+    assert_weight_group_grads(dev, 12, (2, 650, 256), 4, "BLD")
 
 
 # The unmasked channel-last forward at K >= 6 loads a thread's weights and biases in runs of up to
@@ -601,10 +600,7 @@ def test_channel_first_cluster_sums(dev, dtype, width, shape, state):
 # holds one group's items of two channels.
 @pytest.mark.parametrize("dev", GPU)
 def test_channel_first_cluster_sums_weight_groups(dev):
-    rng = np.random.default_rng(15)
-    members, batch, length, channels, width = 3, 8, 256, 1001, 4
-    x = jnp.asarray(rng.standard_normal((batch, channels, length)), jnp.bfloat16)
-    assert_weight_group_grads(dev, rng, x, members, width, "BDL")
+    assert_weight_group_grads(dev, 15, (8, 1001, 256), 4, "BDL")
 
 
 # The bfloat16 channel-first backward at K = 7 and 8 in few or short rows: items of fewer than
@@ -646,7 +642,13 @@ def compare_case(dev, rng, case, **shape):
 # otherwise): whole rows of 17 blocks, the last partial, whose copies wrap the warp's ring of 8
 # blocks (the partial block lands in the slot of the row's first, the block past the row, read as
 # zeros, in that of its second); and rows cut into items of 17, 17, 17 and 14 blocks (each item's
-# last dx needs the next item's first deltas, its dw/db not; 22, 22 and 21 at 3168 warps). Float
+# last dx needs the next item's first deltas, its dw/db not; 22, 22 and 21 at 3168 warps). Where
+# a cluster of at most 8 blocks holds every item of a channel's weight group and the grid fills
+# the device, the kernel runs in clusters that sum dw/db themselves (as the scalar kernel's,
+# above): the wrap shape in clusters of two blocks, 4 batch rows of 2048 channels in clusters of
+# one, 32 rows of 256 channels of eight (whole rows of 16 blocks: 8192 warps, which
+# channel_first_chunk keeps whole where 4352 or 8800 would be cut in two, too short for tensor
+# cores); the cut shape takes none. Float
 # and bfloat16 weights: split into high and low parts, or exact.
 @pytest.mark.parametrize("case", [
     dict(activation="silu", bias=True, state=False, final="none"),
@@ -654,7 +656,9 @@ def compare_case(dev, rng, case, **shape):
     dict(activation="silu", bias=False, state=False, final="none"),
     dict(activation="silu", bias=True, state=False, final="none", params_like_x=True),
 ], ids=["silu", "identity", "no_bias", "bf16_params"])
-@pytest.mark.parametrize("shape", [(8, 2056, 1024), (2, 8320, 512)], ids=["wrap", "cut"])
+@pytest.mark.parametrize("shape", [(8, 2056, 1024), (2, 8320, 512), (4, 2048, 2048),
+                                   (32, 2048, 256)],
+                         ids=["wrap", "cut", "clusters_of_1", "clusters_of_8"])
 @pytest.mark.parametrize("width", [7, 8])
 @pytest.mark.parametrize("dev", GPU)
 def test_channel_first_tensor_cores(dev, width, shape, case):
@@ -663,7 +667,15 @@ def test_channel_first_tensor_cores(dev, width, shape, case):
     compare_case(dev, rng, case, batch=batch, length=length, channels=channels, width=width)
 
 
-# The tensor-core backward's dw/db sums: each warp's in a fixed order, then the reduction's.
+# The tensor-core cluster sums under weight groups (vmapped parameters over one x: 3 groups of 8
+# batch rows of 352 channels, whole rows of 2048 times, 8448 warps, clusters of two blocks).
+@pytest.mark.parametrize("dev", GPU)
+def test_channel_first_tensor_cores_cluster_sums_weight_groups(dev):
+    assert_weight_group_grads(dev, 16, (8, 352, 2048), 8, "BDL")
+
+
+# The tensor-core backward's dw/db sums: each warp's in a fixed order, then the cluster's first
+# block's in the order of its rows (this shape: 8192 warps, clusters of two blocks).
 @pytest.mark.parametrize("width", [7, 8])
 @pytest.mark.parametrize("dev", GPU)
 def test_channel_first_tensor_cores_deterministic(dev, width):
@@ -801,10 +813,7 @@ def test_short_rows_many_items(dev, dtype, shape, features):
 @pytest.mark.parametrize("batch,channels", [(301, 6), (2, 4500)], ids=["runs", "one_run"])
 @pytest.mark.parametrize("dev", GPU)
 def test_short_rows_weight_groups(dev, batch, channels):
-    rng = np.random.default_rng(13)
-    members, length, width = 3, 64, 4
-    x = jnp.asarray(rng.standard_normal((batch, channels, length)), jnp.bfloat16)
-    assert_weight_group_grads(dev, rng, x, members, width, "BDL")
+    assert_weight_group_grads(dev, 13, (batch, channels, 64), 4, "BDL")
 
 
 # The forward under weight groups: 3 groups of 9 batch rows of 2047 channels (bf16 L = 64: 512
