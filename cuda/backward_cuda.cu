@@ -214,7 +214,8 @@ inline int64_t steps_per_thread(int64_t columns, int64_t length, int64_t residen
 // without clusters, is to run instead: where a cluster of at most 8 blocks cannot hold those
 // items in whole blocks, and where the grid would not fill the device once (kPlain's
 // occupancy). H100, BDL bwd by bench.py's loop (fifty-second and fifty-third sessions): B=8
-// L=2048 D=4096 bf16 143.5 -> 142.0 us, float16 143.4 -> 142.0, D = 8192 280.1 -> 278.1. In one
+// L=2048 D=4096 bf16 143.5 -> 142.0 us, float16 143.4 -> 142.0, D = 8192 280.1 -> 278.1; the
+// tensor-core kernel at K = 8 147.1 -> 144.8 and K = 7 146.6 -> 145.1 (fifty-fourth). In one
 // partial wave (B=8 L=2048 D=256 bf16: 2048 warps, 2640 resident) the clustered kernel took
 // 10.4-10.5 us against main's 8.8-8.9 and its reduction, no gain by the loop, and neither
 // spreading its clusters over the SMs nor capping blocks an SM mended that.
