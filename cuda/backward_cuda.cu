@@ -223,7 +223,7 @@ template <auto kPlain, auto kClustered>
 bool launch_cluster_sums(cudaStream_t stream, const ConvParams& p, const ChannelFirstSplit& split,
                          float* partials, void* dweight, void* dbias) {
   constexpr int64_t kWarps = kChannelFirstThreads / kLanes;
-  const int64_t cluster_items = p.batch / p.groups * split.chunks.d;
+  const int64_t cluster_items = ClusterPlace::slots(split);
   const int64_t cluster_blocks = cluster_items / kWarps;
   const int64_t blocks = p.groups * split.channel_groups.d * cluster_blocks;
   const int64_t resident_warps = resident_threads<kPlain>(kChannelFirstThreads) / kLanes;

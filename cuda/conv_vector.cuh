@@ -883,8 +883,9 @@ struct ClusterPlace {
     channel_group = cluster - weight_group * split.channel_groups.d;
   }
 
-  // The slots of a cluster: the items of its weight group's batch rows.
-  __device__ __forceinline__ static int64_t slots(const ChannelFirstSplit& split) {
+  // The slots of a cluster: the items of its weight group's batch rows (also the launch's
+  // cluster size, in warps).
+  __host__ __device__ __forceinline__ static int64_t slots(const ChannelFirstSplit& split) {
     return split.batch_per_group.d * split.chunks.d;
   }
 

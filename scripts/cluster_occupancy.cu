@@ -33,8 +33,7 @@ int report(const char* dtype) {
                 cudaGetErrorString(cudaGetLastError()));
     return 1;
   }
-  int sms = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  const int sms = causal_conv::device_attribute(0, cudaDevAttrMultiProcessorCount);
   std::printf("%s K=%d: plain kernel %d blocks an SM, %d at once on %d SMs\n", dtype, K,
               plain_blocks, plain_blocks * sms, sms);
   for (const unsigned cluster_blocks : {1u, 2u, 4u, 8u}) {
