@@ -229,7 +229,7 @@ bool launch_cluster_sums(cudaStream_t stream, const ConvParams& p, const Channel
   const int64_t resident_warps = resident_threads<kPlain>(kChannelFirstThreads) / kLanes;
   if (cluster_items % kWarps != 0 || cluster_items > kMaxClusterItems ||
       blocks > kMaxGridBlocks || resident_warps == 0 || blocks * kWarps < resident_warps ||
-      device_attribute(current_device(), cudaDevAttrClusterLaunch) == 0) {
+      current_device_attribute<cudaDevAttrClusterLaunch>() == 0) {
     return false;
   }
   launch_clustered(kClustered, dim3(static_cast<unsigned>(blocks)), dim3(kChannelFirstThreads),
@@ -274,16 +274,15 @@ PartialSlices launch_vector_backward(cudaStream_t stream, const ConvParams& p, f
         std::min(kMaxGridBlocks, (threads + kBackwardThreads - 1) / kBackwardThreads);
     const ChannelLastTiles split{tile_len, tiles, FastDivisor(grouped ? packs / kLanes : packs),
                                  FastDivisor(slices)};
+    auto* chosen = kernel;
     if constexpr (backward_edge_copies_by_tile<T, K, kMasked>()) {
+      // The same registers and blocks an SM as `kernel` (sm_90 ptxas: bf16 214 against 202,
+      // float16 208 against 206, 2 blocks either way), so tile_len's plan holds for it.
       if (tile_len >= kCheckedEdgesMinTile) {
-        // The same registers and blocks an SM as `kernel` (sm_90 ptxas: bf16 214 against 202,
-        // float16 208 against 206, 2 blocks either way), so tile_len's plan holds for it.
-        backward_channel_last_kernel<T, K, kMasked, false>
-            <<<blocks, kBackwardThreads, 0, stream>>>(p, partials, split);
-        return {rows_per_group, slices};
+        chosen = backward_channel_last_kernel<T, K, kMasked, false>;
       }
     }
-    kernel<<<blocks, kBackwardThreads, 0, stream>>>(p, partials, split);
+    chosen<<<blocks, kBackwardThreads, 0, stream>>>(p, partials, split);
     return {rows_per_group, slices};
   }
   if (const int group = short_row_group(p.length, kPack<T>); group > 0) {

@@ -48,10 +48,9 @@ inline int64_t grid_for_warps(int64_t items) {
 // the runtime cannot say. Cached per device: the occupancy query costs host time on every launch.
 template <auto kKernel>
 int64_t resident_threads(int block_threads) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int64_t> cached[kMaxDevices] = {};
+  static std::atomic<int64_t> cached[kCachedDevices] = {};
   const int device = current_device();
-  if (device < 0 || device >= kMaxDevices) return 0;
+  if (device < 0 || device >= kCachedDevices) return 0;
   if (const int64_t known = cached[device].load(std::memory_order_relaxed); known > 0) return known;
   const int sms = device_attribute(device, cudaDevAttrMultiProcessorCount);
   int blocks = 0;

@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -46,6 +47,22 @@ inline int device_attribute(int device, cudaDeviceAttr attribute) {
   return value;
 }
 
+// Devices whose answers the launch code caches; one beyond them is asked on every call.
+constexpr int kCachedDevices = 64;
+
+// device_attribute of the current device, asked once a device: the launch code reads these on
+// every call, and a 0 (unknown, or a capability the device lacks) is asked again.
+template <cudaDeviceAttr kAttribute>
+int current_device_attribute() {
+  static std::atomic<int> cached[kCachedDevices] = {};
+  const int device = current_device();
+  if (device < 0 || device >= kCachedDevices) return device_attribute(device, kAttribute);
+  if (const int known = cached[device].load(std::memory_order_relaxed); known != 0) return known;
+  const int value = device_attribute(device, kAttribute);
+  cached[device].store(value, std::memory_order_relaxed);
+  return value;
+}
+
 // Programmatic dependent launch (compute capability 9.0 and later): a grid launched by
 // launch_dependent may start once every block of the grid before it in the stream has called
 // allow_dependent_grid or exited, and holds in wait_for_prior_grid until that grid has finished
@@ -81,7 +98,7 @@ void launch_with_attribute(void (*kernel)(Params...), dim3 grid, dim3 block, cud
 template <typename... Params, typename... Args>
 void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
                       Args&&... args) {
-  if (device_attribute(current_device(), cudaDevAttrComputeCapabilityMajor) < 9) {
+  if (current_device_attribute<cudaDevAttrComputeCapabilityMajor>() < 9) {
     kernel<<<grid, block, 0, stream>>>(std::forward<Args>(args)...);
     return;
   }

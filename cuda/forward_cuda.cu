@@ -123,7 +123,7 @@ bool launch_vector_forward(cudaStream_t stream, const ConvParams& p) {
     // gain: B=8 L=2048 D=1024 25.09 against 25.18 upward, D=4096 93.8-94.0 against 94.8, K = 8
     // 94.9-95.1 against 98.3-98.5, B=1 L=65536 365.0-365.3 against 371.5-371.7.
     const int64_t x_bytes = p.batch * p.length * p.channels * int64_t{sizeof(T)};
-    const int64_t l2_bytes = device_attribute(current_device(), cudaDevAttrL2CacheSize);
+    const int64_t l2_bytes = current_device_attribute<cudaDevAttrL2CacheSize>();
     const bool alternate =
         (p.channels / C) % kLanes == 0 && time_chunk >= K - 1 && 2 * x_bytes > l2_bytes;
     kernel<<<blocks, kForwardThreads, 0, stream>>>(p, time_chunk, alternate);

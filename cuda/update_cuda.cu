@@ -298,7 +298,7 @@ int64_t update_blocks(int64_t threads) {
 // load kernels during a capture): where more blocks would fit, a wave of the bound's size only
 // has each thread walk more rows, the shape the row walk was timed at.
 int64_t token_wave_blocks() {
-  return int64_t{device_attribute(current_device(), cudaDevAttrMultiProcessorCount)} *
+  return int64_t{current_device_attribute<cudaDevAttrMultiProcessorCount>()} *
          kTokenBlocksPerSm;
 }
 
