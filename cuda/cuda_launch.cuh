@@ -45,23 +45,21 @@ inline int64_t grid_for_warps(int64_t items) {
 }
 
 // Threads of kKernel (launched in blocks of block_threads) that the device holds at once, or 0 if
-// the runtime cannot say. Cached per device: the occupancy query costs host time on every launch.
+// the runtime cannot say. Cached per device (cached_per_device): the occupancy query costs host
+// time on every launch.
 template <auto kKernel>
 int64_t resident_threads(int block_threads) {
   static std::atomic<int64_t> cached[kCachedDevices] = {};
-  const int device = current_device();
-  if (device < 0 || device >= kCachedDevices) return 0;
-  if (const int64_t known = cached[device].load(std::memory_order_relaxed); known > 0) return known;
-  const int sms = device_attribute(device, cudaDevAttrMultiProcessorCount);
-  int blocks = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, block_threads, 0) !=
-      cudaSuccess) {
-    cudaGetLastError();  // a failed query must not surface as the launch's error
-    return 0;
-  }
-  const int64_t resident = int64_t{sms} * blocks * block_threads;
-  cached[device].store(resident, std::memory_order_relaxed);
-  return resident;
+  return cached_per_device(cached, [block_threads](int device) -> int64_t {
+    const int sms = device_attribute(device, cudaDevAttrMultiProcessorCount);
+    int blocks = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, block_threads, 0) !=
+        cudaSuccess) {
+      cudaGetLastError();  // a failed query must not surface as the launch's error
+      return 0;
+    }
+    return int64_t{sms} * blocks * block_threads;
+  });
 }
 
 // The short-row kernels' units (ShortRowUnits) for a device that holds resident_warps of their

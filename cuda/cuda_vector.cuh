@@ -50,17 +50,24 @@ inline int device_attribute(int device, cudaDeviceAttr attribute) {
 // Devices whose answers the launch code caches; one beyond them is asked on every call.
 constexpr int kCachedDevices = 64;
 
-// device_attribute of the current device, asked once a device: the launch code reads these on
-// every call, and a 0 (unknown, or a capability the device lacks) is asked again.
+// ask(device) for the current device, kept in `cached` once known: the launch code reads such
+// answers on every call, and the runtime's queries cost host time. A 0 (unknown, or a capability
+// the device lacks) is asked again, as is every answer for no device or one past kCachedDevices.
+template <typename V, typename Ask>
+V cached_per_device(std::atomic<V> (&cached)[kCachedDevices], Ask ask) {
+  const int device = current_device();
+  if (device < 0 || device >= kCachedDevices) return ask(device);
+  if (const V known = cached[device].load(std::memory_order_relaxed); known != 0) return known;
+  const V value = ask(device);
+  cached[device].store(value, std::memory_order_relaxed);
+  return value;
+}
+
+// device_attribute of the current device, asked once a device (cached_per_device).
 template <cudaDeviceAttr kAttribute>
 int current_device_attribute() {
   static std::atomic<int> cached[kCachedDevices] = {};
-  const int device = current_device();
-  if (device < 0 || device >= kCachedDevices) return device_attribute(device, kAttribute);
-  if (const int known = cached[device].load(std::memory_order_relaxed); known != 0) return known;
-  const int value = device_attribute(device, kAttribute);
-  cached[device].store(value, std::memory_order_relaxed);
-  return value;
+  return cached_per_device(cached, [](int device) { return device_attribute(device, kAttribute); });
 }
 
 // Programmatic dependent launch (compute capability 9.0 and later): a grid launched by
