@@ -1,5 +1,6 @@
-// How many clusters of the channel-first backward's clustered kernel (backward_vector.cuh,
-// kClusterSums) a device runs at once, by cluster size, against the blocks of its plain kernel:
+// How many clusters of the channel-first backward's clustered kernels (backward_vector.cuh,
+// kClusterSums: the scalar kernel at bf16 K = 4 and 6 and float32 K = 4, the tensor-core kernel at
+// bf16 K = 8) a device runs at once, by cluster size, against the blocks of their plain twins:
 // a clustered grid of more clusters than that runs a second, partial wave. The launch rule in
 // backward_cuda.cu takes clusters only for grids that fill the device at least once, because
 // in one partial wave (B=8 L=2048 D=256 bf16: 128 clusters of 4 blocks) the clustered kernel
@@ -21,21 +22,21 @@
 namespace {
 
 using causal_conv::backward_channel_first_kernel;
+using causal_conv::backward_channel_first_mma_kernel;
 using causal_conv::kChannelFirstThreads;
 
-template <typename T, int K>
-int report(const char* dtype) {
+// kPlain and kClustered: a kernel and its kClusterSums twin, as launch_cluster_sums takes them.
+template <auto kPlain, auto kClustered>
+int report(const char* name) {
   int plain_blocks = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &plain_blocks, backward_channel_first_kernel<T, K, false, false>, kChannelFirstThreads,
-          0) != cudaSuccess) {
-    std::printf("%s K=%d: occupancy query failed: %s\n", dtype, K,
-                cudaGetErrorString(cudaGetLastError()));
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&plain_blocks, kPlain, kChannelFirstThreads,
+                                                    0) != cudaSuccess) {
+    std::printf("%s: occupancy query failed: %s\n", name, cudaGetErrorString(cudaGetLastError()));
     return 1;
   }
   const int sms = causal_conv::device_attribute(0, cudaDevAttrMultiProcessorCount);
-  std::printf("%s K=%d: plain kernel %d blocks an SM, %d at once on %d SMs\n", dtype, K,
-              plain_blocks, plain_blocks * sms, sms);
+  std::printf("%s: plain kernel %d blocks an SM, %d at once on %d SMs\n", name, plain_blocks,
+              plain_blocks * sms, sms);
   for (const unsigned cluster_blocks : {1u, 2u, 4u, 8u}) {
     cudaLaunchAttribute attribute = causal_conv::cluster_dimension(cluster_blocks);
     cudaLaunchConfig_t config{};
@@ -44,8 +45,7 @@ int report(const char* dtype) {
     config.attrs = &attribute;
     config.numAttrs = 1;
     int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, backward_channel_first_kernel<T, K, false, true>,
-                                       &config) != cudaSuccess) {
+    if (cudaOccupancyMaxActiveClusters(&clusters, kClustered, &config) != cudaSuccess) {
       std::printf("  clusters of %u: query failed: %s\n", cluster_blocks,
                   cudaGetErrorString(cudaGetLastError()));
       return 1;
@@ -65,6 +65,12 @@ int main() {
     return 1;
   }
   std::printf("%s\n", prop.name);
-  return report<__nv_bfloat16, 4>("bfloat16") | report<float, 4>("float32") |
-         report<__nv_bfloat16, 8>("bfloat16");
+  return report<backward_channel_first_kernel<__nv_bfloat16, 4, false, false>,
+                backward_channel_first_kernel<__nv_bfloat16, 4, false, true>>("bfloat16 K=4") |
+         report<backward_channel_first_kernel<__nv_bfloat16, 6, false, false>,
+                backward_channel_first_kernel<__nv_bfloat16, 6, false, true>>("bfloat16 K=6") |
+         report<backward_channel_first_kernel<float, 4, false, false>,
+                backward_channel_first_kernel<float, 4, false, true>>("float32 K=4") |
+         report<backward_channel_first_mma_kernel<8, false>,
+                backward_channel_first_mma_kernel<8, true>>("bfloat16 K=8 tensor cores");
 }
