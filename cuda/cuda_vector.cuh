@@ -208,19 +208,24 @@ struct ClusterSums {
           "r"(__float_as_uint(value)), "r"(barrier)
           : "memory");
     }
-    if (leader()) {
-      uint32_t done = 0;
-      do {
-        asm volatile(
-            "{\n .reg .pred complete;\n"
-            " mbarrier.try_wait.parity.shared::cta.b64 complete, [%1], 0;\n"
-            " selp.u32 %0, 1, 0, complete;\n}"
-            : "=r"(done)
-            : "r"(shared_address(&arrived))
-            : "memory");
-      } while (!done);
-    }
+    if (leader()) wait_for_rows();
     asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+#endif
+  }
+
+  // The leader's wait until every byte its expect_tx announced has arrived in `rows`.
+  __device__ __forceinline__ void wait_for_rows() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    uint32_t done = 0;
+    do {
+      asm volatile(
+          "{\n .reg .pred complete;\n"
+          " mbarrier.try_wait.parity.shared::cta.b64 complete, [%1], 0;\n"
+          " selp.u32 %0, 1, 0, complete;\n}"
+          : "=r"(done)
+          : "r"(shared_address(&arrived))
+          : "memory");
+    } while (!done);
 #endif
   }
 
