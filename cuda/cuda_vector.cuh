@@ -87,17 +87,24 @@ __device__ __forceinline__ void wait_for_prior_grid() {
 #endif
 }
 
+// The configuration of a launch with one attribute, which must outlive it.
+inline cudaLaunchConfig_t launch_config(dim3 grid, dim3 block, cudaStream_t stream,
+                                        cudaLaunchAttribute* attribute) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return config;
+}
+
 // kernel<<<grid, block, 0, stream>>>(args...) with one launch attribute. A failed launch leaves
 // its error for cuda_status, as <<<>>> does.
 template <typename... Params, typename... Args>
 void launch_with_attribute(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
                            cudaLaunchAttribute attribute, Args&&... args) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.stream = stream;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
+  const cudaLaunchConfig_t config = launch_config(grid, block, stream, &attribute);
   cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 

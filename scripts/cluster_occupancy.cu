@@ -39,11 +39,8 @@ int report(const char* name) {
               plain_blocks * sms, sms);
   for (const unsigned cluster_blocks : {1u, 2u, 4u, 8u}) {
     cudaLaunchAttribute attribute = causal_conv::cluster_dimension(cluster_blocks);
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(cluster_blocks * 128);
-    config.blockDim = dim3(kChannelFirstThreads);
-    config.attrs = &attribute;
-    config.numAttrs = 1;
+    const cudaLaunchConfig_t config = causal_conv::launch_config(
+        dim3(cluster_blocks * 128), dim3(kChannelFirstThreads), nullptr, &attribute);
     int clusters = 0;
     if (cudaOccupancyMaxActiveClusters(&clusters, kClustered, &config) != cudaSuccess) {
       std::printf("  clusters of %u: query failed: %s\n", cluster_blocks,
