@@ -159,18 +159,21 @@ if step sanitizer; then
   }
   # Over sanitizer_cases.py the sanitizer also died by SIGSEGV at varying cases, filtered or not
   # (tests/GPU.md, seventh session: after cases 4, 5 and 12 in three runs, no finding reported
-  # before): a run that dies resumes at the case it was in (--start), up to 3 times.
+  # before; fifty-eighth: racecheck in cases 0, 4, 8 and 9): a run that dies resumes at the case
+  # it was in (--start), as long as it dies fewer than 3 times in a row without a case done.
   sanitize_cases() {  # tool, log
-    local first=${SANITIZE_START:-0} crashes=0 rc summaries total
-    local start=$first
+    local first=${SANITIZE_START:-0} crashes=0 stalls=0 rc summaries total
+    local start=$first next
     : >"$2"
     while true; do
       XLA_PYTHON_CLIENT_PREALLOCATE=false compute-sanitizer --tool "$1" "${filter[@]}" \
         --error-exitcode 9 python3 scripts/sanitizer_cases.py --start "$start" >>"$2" 2>&1
       rc=$?
-      (( rc == 139 && crashes < 3 )) || break
+      next=$((first + $(grep -cE ' ok$' "$2")))
+      if ((next > start)); then stalls=0; else stalls=$((stalls + 1)); fi
+      (( rc == 139 && stalls < 3 )) || break
       crashes=$((crashes + 1))
-      start=$((first + $(grep -cE ' ok$' "$2")))
+      start=$next
       echo "==== resumed at case $start after a sanitizer crash" >>"$2"
     done
     summaries=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$2" | sed 's/^=* *//' | sort | uniq -c |
