@@ -5,8 +5,9 @@
 // backward_cuda.cu takes clusters only for grids that fill the device at least once, because
 // in one partial wave (B=8 L=2048 D=256 bf16: 128 clusters of 4 blocks) the clustered kernel
 // took 10.4-10.5 us against the plain kernel's 8.6-8.9 on an H100 (fifty-second and fifty-third
-// sessions); this asks the runtime whether that grid fits the clusters it can hold. On a GPU
-// machine, from the repository root:
+// sessions); this asks the runtime whether that grid fits the clusters it can hold. It prints the
+// device's peak DRAM bandwidth first, which a rule by device would read (benchmarks/trials,
+// cf-clusters-by-bandwidth). On a GPU machine, from the repository root:
 //
 //   nvcc -std=c++17 --expt-relaxed-constexpr -arch=sm_90 -O3 -Icuda -I<XLA FFI headers> \
 //     scripts/cluster_occupancy.cu -o /tmp/cluster_occupancy && /tmp/cluster_occupancy
@@ -61,7 +62,11 @@ int main() {
     std::printf("no CUDA device: %s\n", cudaGetErrorString(cudaGetLastError()));
     return 1;
   }
-  std::printf("%s\n", prop.name);
+  // The peak DRAM bandwidth a launch rule by device would read (double data rate over the bus).
+  const int memory_khz = causal_conv::device_attribute(0, cudaDevAttrMemoryClockRate);
+  const int bus_bits = causal_conv::device_attribute(0, cudaDevAttrGlobalMemoryBusWidth);
+  std::printf("%s: memory clock %d kHz, bus %d bits, peak %.2f TB/s\n", prop.name, memory_khz,
+              bus_bits, 2e3 * memory_khz * (bus_bits / 8) / 1e12);
   return report<backward_channel_first_kernel<__nv_bfloat16, 4, false, false>,
                 backward_channel_first_kernel<__nv_bfloat16, 4, false, true>>("bfloat16 K=4") |
          report<backward_channel_first_kernel<__nv_bfloat16, 6, false, false>,
