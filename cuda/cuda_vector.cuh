@@ -200,23 +200,35 @@ struct ClusterSums {
                                             int rows_expected) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("barrier.cluster.wait;" ::: "memory");
-    if (leader() && threadIdx.x == 0) {
-      const uint32_t bytes = static_cast<uint32_t>(rows_expected * kColumns * sizeof(float));
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
-                       shared_address(&arrived)),
-                   "r"(bytes)
-                   : "memory");
-    }
-    if (has_value) {
-      const uint32_t at = leader_address(&rows[row][column]);
-      const uint32_t barrier = leader_address(&arrived);
-      asm volatile(
-          "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(at),
-          "r"(__float_as_uint(value)), "r"(barrier)
-          : "memory");
-    }
+    if (leader() && threadIdx.x == 0) announce(rows_expected);
+    if (has_value) store_to_leader(row, column, value);
     if (leader()) wait_for_rows();
     asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+#endif
+  }
+
+  // The leader's arrival on its mbarrier, announcing the bytes of rows_expected whole rows (one
+  // thread of the leader, once).
+  __device__ __forceinline__ void announce(int rows_expected) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const uint32_t bytes = static_cast<uint32_t>(rows_expected * kColumns * sizeof(float));
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
+                     shared_address(&arrived)),
+                 "r"(bytes)
+                 : "memory");
+#endif
+  }
+
+  // value into the leader's rows[row][column] by st.async, its bytes counted on the leader's
+  // mbarrier.
+  __device__ __forceinline__ void store_to_leader(int row, int column, float value) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const uint32_t at = leader_address(&rows[row][column]);
+    const uint32_t barrier = leader_address(&arrived);
+    asm volatile(
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(at),
+        "r"(__float_as_uint(value)), "r"(barrier)
+        : "memory");
 #endif
   }
 

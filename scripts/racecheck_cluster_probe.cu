@@ -67,20 +67,9 @@ __global__ void probe(float* out) {
   } else if constexpr (kMode == Mode::kNoWait) {
     sums.start();
     asm volatile("barrier.cluster.wait;" ::: "memory");
-    if (rank == 0 && threadIdx.x == 0) {
-      const uint32_t bytes = kColumns * sizeof(float);
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
-                       Sums::shared_address(&sums.arrived)),
-                   "r"(bytes)
-                   : "memory");
-    }
+    if (rank == 0 && threadIdx.x == 0) sums.announce(1);
     if (rank == 1) {
-      const uint32_t at = Sums::leader_address(&sums.rows[1][column]);
-      const uint32_t barrier = Sums::leader_address(&sums.arrived);
-      asm volatile(
-          "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(at),
-          "r"(__float_as_uint(3.0f + column)), "r"(barrier)
-          : "memory");
+      sums.store_to_leader(1, column, 3.0f + column);
     } else {
       seen = static_cast<volatile float*>(sums.rows[1])[column];
       sums.wait_for_rows();
