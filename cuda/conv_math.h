@@ -73,12 +73,12 @@ CAUSAL_CONV_HD Point point_at(int64_t i, int64_t length, int64_t channels, bool 
 CAUSAL_CONV_HD float exp_acc(float v) { return expf(v); }
 #else
 // On the host, libm's expf is an opaque call that keeps every CPU loop around the activation
-// scalar; this version inlines and vectorizes (under GCC only with -fno-trapping-math, which
-// CMakeLists.txt gives the CPU module: the clamp below becomes branches). exp(x) = 2^n e^r with
-// n = round(x/ln 2) and |r| <= ln(2)/2, e^r by its Taylor series to r^7 (truncation below 2e-9
-// relative, under a float ulp), ln 2 split in two so that r is exact. The input is clamped to
-// where 2^n stays a normal float (sigmoid is then within 1e-38 of 0 or 1 anyway); NaN passes
-// through the clamp.
+// scalar; this version inlines and vectorizes (without AVX-512, GCC needs -fno-trapping-math
+// for that, which CMakeLists.txt gives the CPU module: the clamp becomes branches).
+// exp(x) = 2^n e^r with n = round(x/ln 2) and |r| <= ln(2)/2, e^r by its Taylor series to r^7
+// (truncation below 2e-9 relative, under a float ulp), ln 2 split in two so that r is exact. The
+// input is clamped to where 2^n stays a normal float (sigmoid is then within 1e-38 of 0 or 1
+// anyway); NaN passes through the clamp.
 CAUSAL_CONV_HD float exp_acc(float v) {
   constexpr float kLog2e = 1.44269504088896341f;
   constexpr float kLn2High = 0.693359375f;               // 355/512, exact in a float
