@@ -34,6 +34,23 @@ SIZES = {  # name -> (B, L, D)
 }
 
 
+def cpu_description() -> str:
+    """The CPU's model and the widest vector ISA the kernels' clones use on it (Linux only): the
+    x86-64-v4 clones need AVX-512, the v3 ones AVX2 and FMA, and their times differ."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return "CPU unknown"
+    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
+                  if ln.startswith("model name")), "unknown model")
+    flags = next((set(ln.split(":", 1)[1].split()) for ln in info.splitlines()
+                  if ln.startswith("flags")), set())
+    isa = ("AVX-512" if "avx512f" in flags else
+           "AVX2" if {"avx2", "fma"} <= flags else "no AVX2")
+    return f"{model}, {isa}"
+
+
 def time_pair(fns, args, reps: int, min_time: float):
     """Median seconds per call of each fn, calls alternating within every repetition."""
     for fn in fns:
@@ -67,7 +84,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write the raw medians here")
     args = p.parse_args(argv)
     dev = jax.devices()[0]
-    print(f"# {dev.platform} {dev.device_kind}, jax {jax.__version__}, {os.cpu_count()} CPUs, "
+    print(f"# {dev.platform} {dev.device_kind} ({cpu_description()}), jax {jax.__version__}, "
+          f"{os.cpu_count()} CPUs, "
           f"reps {args.reps}, {args.min_time * 1e3:g} ms per rep; ours from "
           f"{os.path.dirname(bench.jcc.__file__)}", flush=True)
     print("| case | op | ours us | reference us | ours / reference |\n|---|---|---|---|---|")
