@@ -42,10 +42,13 @@ def cpu_description() -> str:
             info = f.read()
     except OSError:
         return "CPU unknown"
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
-                  if ln.startswith("model name")), "unknown model")
-    flags = next((set(ln.split(":", 1)[1].split()) for ln in info.splitlines()
-                  if ln.startswith("flags")), set())
+    fields: dict[str, str] = {}  # each key's first value: the first CPU's
+    for line in info.splitlines():
+        key, colon, value = line.partition(":")
+        if colon:
+            fields.setdefault(key.strip(), value.strip())
+    model = fields.get("model name", "unknown model")
+    flags = set(fields.get("flags", "").split())
     isa = ("AVX-512" if "avx512f" in flags else
            "AVX2" if {"avx2", "fma"} <= flags else "no AVX2")
     return f"{model}, {isa}"
