@@ -49,6 +49,15 @@ constexpr int64_t kParallelPoints = int64_t{1} << 16;
 // Points per tile (about): enough to amortize a tile's fixed work (the P-step halo, the segment
 // checks, the edge path's per-time setup), few enough to balance threads.
 constexpr int64_t kTilePoints = int64_t{1} << 16;
+// "BLD" tiles take runs of a time step's channels whose K weights and K taps fit in this many
+// bytes (about an L1), and at least 512 channels. A tile of part of a row reads and writes only
+// its run of each time step's row: with 512-channel runs (2 KB of float32) the hardware
+// prefetcher, which stops at 4 KB pages, starts again on every step, and each page of y is
+// finished by another tile much later. B=8 L=2048 D=2048 float32 on an AVX2 EPYC (sixtieth
+// session): whole rows at K = 2 and 1024-channel runs at K = 4 took the forward from 1.13 to
+// 1.01 of the reference under XLA and the backward 10-20% faster; 1024-channel runs at K = 8
+// (64 KB a step) made the forward slower.
+constexpr int64_t kStepBytes = int64_t{32} << 10;
 // Lanes of the dw/db partial sums along time in "BDL" (a fixed count, so results do not depend
 // on the vector width of the CPU).
 constexpr int64_t kLanes = 16;
@@ -61,10 +70,15 @@ struct Tile {
 struct Tiling {
   int64_t channel_block, time_block, channel_tiles, time_tiles, count;
 
-  explicit Tiling(const ConvParams& p) {
-    // "BLD": up to 512 contiguous channels per time step; "BDL": channel rows of up to 8192 steps.
+  // tap_bytes: a channel's bytes a tap, its weight's and its x's (sizeof(A) + sizeof(T)).
+  Tiling(const ConvParams& p, int64_t tap_bytes) {
+    // "BLD": runs of 512 channels per time step, doubled while kStepBytes allows;
+    // "BDL": channel rows of up to 8192 steps.
     if (p.channel_last) {
-      channel_block = std::max<int64_t>(1, std::min<int64_t>(p.channels, 512));
+      const int64_t step_bytes = std::max<int64_t>(p.width, 1) * tap_bytes;
+      int64_t run = 512;
+      while (run < p.channels && 2 * run * step_bytes <= kStepBytes) run *= 2;
+      channel_block = std::max<int64_t>(1, std::min(p.channels, run));
       time_block = std::min<int64_t>(p.length, std::max<int64_t>(128, kTilePoints / channel_block));
     } else {
       time_block = std::min<int64_t>(p.length, 8192);
@@ -541,7 +555,7 @@ CAUSAL_CONV_CPU_KERNEL void backward_tile(const ConvParams& p, const Tile& tile,
 
 template <typename T, typename A, int kWidth>
 void forward(ffi::ThreadPool& pool, const ConvParams& p) {
-  const Tiling tiling(p);
+  const Tiling tiling(p, sizeof(T) + sizeof(A));
   run_tiles(pool, tiling.count, p.batch * p.length * p.channels, [&](int64_t i) {
     const Tile tile = tiling.tile(p, i);
     if (p.silu) {
@@ -562,7 +576,7 @@ void forward(ffi::ThreadPool& pool, const ConvParams& p) {
 // dweight and dbias are stored in the params' type (A, or T when params_like_x).
 template <typename T, typename A, int kWidth>
 void backward(ffi::ThreadPool& pool, const ConvParams& p, void* dweight, void* dbias) {
-  const Tiling tiling(p);
+  const Tiling tiling(p, sizeof(T) + sizeof(A));
   const int64_t K = p.width, cb = tiling.channel_block;
   std::vector<A> dw_parts(static_cast<size_t>(tiling.count * cb * K));
   std::vector<A> db_parts(static_cast<size_t>(tiling.count * cb));

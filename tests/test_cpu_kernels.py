@@ -17,9 +17,10 @@ from conftest import assert_close, make_inputs, random_seq_idx, to_f64
 
 from jax_causal_conv import causal_conv1d, reference
 
-# (batch, length, channels) per layout: "BLD" tiles are up to 512 channels by at least 128 steps,
-# "BDL" tiles up to 8192 steps of a few channel rows.
-SHAPES = {"BLD": (2, 700, 600), "BDL": (2, 9000, 20)}
+# (batch, length, channels) per layout: "BLD" tiles are runs of 512 to a few thousand channels
+# (1024 at float32 K = 4, 512 at K = 17) by at least 128 steps, "BDL" tiles up to 8192 steps of a
+# few channel rows.
+SHAPES = {"BLD": (2, 700, 1100), "BDL": (2, 9000, 20)}
 
 
 def vjp_all(fn, args, seq_idx, cotangent, layout):
