@@ -16,36 +16,19 @@
 // same for any number of threads and any schedule. They may differ in the last bits between
 // machines with and without FMA (the x86-64-v3/v4 versions below contract a * b + c).
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
-#include <functional>
-#include <memory>
-#include <mutex>
 #include <utility>
 #include <vector>
 
 #include "conv_math.h"
 #include "cpu_half.h"
+#include "cpu_target.h"
+#include "cpu_tiles.h"
 #include "ffi_common.h"
-
-// The kernels are compiled for baseline x86-64, x86-64-v3 (AVX2, FMA) and x86-64-v4 (AVX-512),
-// and the loader picks the best version the CPU supports (GCC function multi-versioning). What
-// they call must inline into each version (conv_math.h forces it), or it runs as baseline code;
-// hence no callbacks in the hot loops.
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__) && \
-    __GNUC__ >= 12
-#define CAUSAL_CONV_CPU_KERNEL \
-  __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4")))
-#else
-#define CAUSAL_CONV_CPU_KERNEL
-#endif
 
 namespace causal_conv {
 namespace {
 
-// Below this many points a call runs on the calling thread: scheduling costs more than it saves.
-constexpr int64_t kParallelPoints = int64_t{1} << 16;
 // Points per tile (about): enough to amortize a tile's fixed work (the P-step halo, the segment
 // checks, the edge path's per-time setup), few enough to balance threads.
 constexpr int64_t kTilePoints = int64_t{1} << 16;
@@ -101,43 +84,6 @@ struct Tiling {
                 tt * time_block, std::min(p.length, (tt + 1) * time_block)};
   }
 };
-
-// Runs fn(i) for i in [0, tiles): on the calling thread for small work, else on the calling
-// thread and up to num_threads - 1 tasks of XLA's pool, which take tiles from a shared counter.
-// The caller waits only for tiles that were taken, never for a task to start, so it cannot
-// deadlock on a busy pool; a task that starts late finds no tile left and touches only the
-// shared state it co-owns.
-template <typename Fn>
-void run_tiles(ffi::ThreadPool& pool, int64_t tiles, int64_t points, const Fn& fn) {
-  const int64_t threads = points >= kParallelPoints ? std::min(pool.num_threads(), tiles) : 1;
-  if (threads <= 1) {
-    for (int64_t i = 0; i < tiles; ++i) fn(i);
-    return;
-  }
-  struct Shared {
-    std::function<void(int64_t)> body;
-    int64_t total = 0;
-    std::atomic<int64_t> next{0};
-    std::mutex mutex;
-    std::condition_variable finished;
-    int64_t done = 0;
-  };
-  auto shared = std::make_shared<Shared>();
-  shared->body = [&fn](int64_t i) { fn(i); };
-  shared->total = tiles;
-  const auto work = [](Shared& s) {
-    int64_t ran = 0;
-    for (int64_t i = s.next.fetch_add(1); i < s.total; i = s.next.fetch_add(1), ++ran) s.body(i);
-    if (ran == 0) return;
-    std::lock_guard<std::mutex> lock(s.mutex);
-    s.done += ran;
-    if (s.done == s.total) s.finished.notify_all();
-  };
-  for (int64_t t = 1; t < threads; ++t) pool.Schedule([shared, work] { work(*shared); });
-  work(*shared);
-  std::unique_lock<std::mutex> lock(shared->mutex);
-  shared->finished.wait(lock, [&] { return shared->done == shared->total; });
-}
 
 // interior[t - lo], t in [lo, hi): whether output time t reads all K taps from x in its own
 // segment, so that it needs no per-tap check (t >= P, not padding, no segment boundary).

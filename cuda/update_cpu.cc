@@ -1,27 +1,121 @@
-// The causal_conv1d_update CPU kernel and its XLA FFI handler: the update_math.h math, one
-// (batch row, channel) at a time, on the state buffer that XLA aliases to the result.
+// The causal_conv1d_update CPU kernel and its XLA FFI handler: the update_math.h math on the
+// state buffer that XLA aliases to the result, a batch row's channels at a time (a loop over the
+// channels for each tap), so that the loops vectorize where the channels are contiguous ("BLD").
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "cpu_half.h"
+#include "cpu_target.h"
+#include "cpu_tiles.h"
 #include "ffi_common.h"
 #include "update_math.h"
 
 namespace causal_conv {
 namespace {
 
+// Where Update::input reads x_u of batch row b, as a pointer to its channel 0 (the channels at x's
+// or the state's channel stride), or null where it reads zeros (a ring position before 0).
 template <typename T, typename A, int kWidth>
-void update(const UpdateParams& p) {
-  const Update<T, A, kWidth> op{p};
-  for (int64_t b = 0; b < p.batch; ++b) {
-    for (int64_t d = 0; d < p.channels; ++d) op.run(b, d);
+const T* input_run(const Update<T, A, kWidth>& op, int64_t b, int64_t row, int64_t u) {
+  if (u >= 0) return &op.x_at(b, u, 0);
+  if (op.p.cache_seqlens == nullptr) return &op.state_at(row, op.p.state_len + u, 0);
+  const int64_t position = int64_t{op.p.cache_seqlens[b]} + u;
+  return position < 0 ? nullptr : &op.state_at(row, op.ring_slot(position), 0);
+}
+
+// Update::run for every channel of batch row b: the outputs from the old state first (z
+// accumulates over the taps, each tap a loop over the channels), then the state's rewrite. w holds
+// the row's group's weights tap-major (width x channels), bias its biases. kContiguous: channels
+// adjacent in x and the state ("BLD"), so that the loops run over contiguous memory and vectorize.
+template <typename T, typename A, int kWidth, bool kSilu, bool kContiguous>
+CAUSAL_CONV_CPU_KERNEL void update_row(const Update<T, A, kWidth>& op, int64_t b, int64_t d0,
+                                       int64_t d1, const A* w, const A* bias, A* z) {
+  const UpdateParams& p = op.p;
+  const int64_t D = d1 - d0, K = op.width(), P = op.history(), row = op.pool_row(b);
+  const int64_t xs = kContiguous ? 1 : p.x_strides.channel;
+  const int64_t ss = kContiguous ? 1 : p.state_strides.channel;
+  T* y = static_cast<T*>(p.y);
+  for (int64_t t = 0; t < p.tokens; ++t) {
+    T* yt = &y[offset(p.x_strides, b, t, d0)];
+    if (row < 0) {
+      for (int64_t d = 0; d < D; ++d) yt[d * xs] = from_acc<T>(A(0));
+      continue;
+    }
+    for (int64_t d = 0; d < D; ++d) z[d] = bias[d0 + d];
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t u = t - P + k;
+      const T* tap = input_run(op, b, row, u);
+      if (tap == nullptr) continue;
+      const int64_t stride = u >= 0 ? xs : ss;
+      tap += d0 * stride;
+      const A* wk = w + k * p.channels + d0;
+      for (int64_t d = 0; d < D; ++d) z[d] += wk[d] * to_acc<A>(tap[d * stride]);
+    }
+    for (int64_t d = 0; d < D; ++d) yt[d * xs] = from_acc<T>(activate(z[d], kSilu));
+  }
+  if (row < 0) return;
+  const auto copy = [&](T* to, const T* from, int64_t from_stride) {
+    for (int64_t d = 0; d < D; ++d) to[d * ss] = from[d * from_stride];
+  };
+  if (p.cache_seqlens == nullptr) {
+    // Ascending, as Update::shift_state: slot j takes a later slot or a new token.
+    for (int64_t j = 0; j < p.state_len; ++j) {
+      const int64_t source = j + p.tokens;
+      if (source < p.state_len) {
+        copy(&op.state_at(row, j, d0), &op.state_at(row, source, d0), ss);
+      } else {
+        copy(&op.state_at(row, j, d0), &op.x_at(b, source - p.state_len, d0), xs);
+      }
+    }
+    return;
+  }
+  if (p.state_len == 0) return;
+  const int64_t start = int64_t{p.cache_seqlens[b]};
+  for (int64_t t = p.tokens > p.state_len ? p.tokens - p.state_len : 0; t < p.tokens; ++t) {
+    copy(&op.state_at(row, op.ring_slot(start + t), d0), &op.x_at(b, t, d0), xs);
   }
 }
 
-ffi::Error update_handler(ffi::AnyBuffer x, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
-                          ffi::AnyBuffer conv_state, ffi::Buffer<ffi::S32> cache_seqlens,
-                          ffi::Buffer<ffi::S32> state_indices, ffi::Result<ffi::AnyBuffer> y,
-                          ffi::Result<ffi::AnyBuffer> new_conv_state, bool silu,
-                          bool channel_last) {
+// Channels a tile. A tile runs every batch row of its channels in order, so that batch rows sharing
+// a pool row (state_indices) update it in the same order whatever the threads.
+constexpr int64_t kUpdateTileChannels = 1024;
+
+template <typename T, typename A, int kWidth>
+void update(ffi::ThreadPool& pool, const UpdateParams& p) {
+  if (p.batch == 0) return;  // nothing to write (the weights may then have no group either)
+  const Update<T, A, kWidth> op{p};
+  // The weights and biases in A, tap-major, read once a call instead of once a token and channel.
+  const int64_t D = p.channels, K = op.width(), rows_per_group = p.batch / p.groups;
+  std::vector<A> w(static_cast<size_t>(p.groups * K * D)), bias(static_cast<size_t>(p.groups * D));
+  for (int64_t g = 0; g < p.groups; ++g) {
+    for (int64_t d = 0; d < D; ++d) {
+      bias[g * D + d] = op.bias(g * rows_per_group, d);
+      for (int64_t k = 0; k < K; ++k) w[(g * K + k) * D + d] = op.weight(g * rows_per_group, d, k);
+    }
+  }
+  const bool contiguous = p.x_strides.channel == 1 && p.state_strides.channel == 1;
+  const int64_t tiles = (D + kUpdateTileChannels - 1) / kUpdateTileChannels;
+  with_bool_constant(p.silu, [&](auto silu) {
+    with_bool_constant(contiguous, [&](auto adjacent) {
+      run_tiles(pool, tiles, p.batch * p.tokens * D, [&](int64_t i) {
+        const int64_t d0 = i * kUpdateTileChannels, d1 = std::min(D, d0 + kUpdateTileChannels);
+        std::vector<A> z(static_cast<size_t>(d1 - d0));
+        for (int64_t b = 0; b < p.batch; ++b) {
+          const int64_t g = b / rows_per_group;
+          update_row<T, A, kWidth, decltype(silu)::value, decltype(adjacent)::value>(
+              op, b, d0, d1, w.data() + g * K * D, bias.data() + g * D, z.data());
+        }
+      });
+    });
+  });
+}
+
+ffi::Error update_handler(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer weight,
+                          ffi::AnyBuffer bias, ffi::AnyBuffer conv_state,
+                          ffi::Buffer<ffi::S32> cache_seqlens, ffi::Buffer<ffi::S32> state_indices,
+                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> new_conv_state,
+                          bool silu, bool channel_last) {
   UpdateParams p;
   if (auto err = fill_update_params(x, weight, bias, conv_state, cache_seqlens, state_indices, y,
                                     new_conv_state, silu, channel_last, p);
@@ -35,7 +129,7 @@ ffi::Error update_handler(ffi::AnyBuffer x, ffi::AnyBuffer weight, ffi::AnyBuffe
       x.element_type(), [&](auto types) {
         using Types = decltype(types);
         dispatch_width<kCpuMaxWidth>(p.width, [&](auto width) {
-          update<typename Types::Storage, typename Types::Acc, decltype(width)::value>(p);
+          update<typename Types::Storage, typename Types::Acc, decltype(width)::value>(pool, p);
         });
         return ffi::Error::Success();
       });
@@ -45,4 +139,5 @@ ffi::Error update_handler(ffi::AnyBuffer x, ffi::AnyBuffer weight, ffi::AnyBuffe
 }  // namespace causal_conv
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CausalConv1dUpdateCpu, causal_conv::update_handler,
-                              causal_conv::bind_update(xla::ffi::Ffi::Bind()));
+                              causal_conv::bind_update(
+                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>()));
