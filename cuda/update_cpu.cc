@@ -55,8 +55,14 @@ CAUSAL_CONV_CPU_KERNEL void update_row(const Update<T, A, kWidth>& op, int64_t b
     for (int64_t d = 0; d < D; ++d) yt[d * xs] = from_acc<T>(activate(z[d], kSilu));
   }
   if (row < 0) return;
+  // The state's rows may overlap their sources (a shift within one row): memmove where contiguous,
+  // which GCC's loop would do one element at a time for want of knowing they do not.
   const auto copy = [&](T* to, const T* from, int64_t from_stride) {
-    for (int64_t d = 0; d < D; ++d) to[d * ss] = from[d * from_stride];
+    if constexpr (kContiguous) {
+      std::memmove(to, from, sizeof(T) * static_cast<size_t>(D));
+    } else {
+      for (int64_t d = 0; d < D; ++d) to[d * ss] = from[d * from_stride];
+    }
   };
   if (p.cache_seqlens == nullptr) {
     // Ascending, as Update::shift_state: slot j takes a later slot or a new token.
@@ -83,7 +89,8 @@ constexpr int64_t kUpdateTileChannels = 1024;
 
 template <typename T, typename A, int kWidth>
 void update(ffi::ThreadPool& pool, const UpdateParams& p) {
-  if (p.batch == 0) return;  // nothing to write (the weights may then have no group either)
+  // Nothing to write (with no batch rows the weights may have no group either).
+  if (p.batch == 0 || p.channels == 0) return;
   const Update<T, A, kWidth> op{p};
   // The weights and biases in A, tap-major, read once a call instead of once a token and channel.
   const int64_t D = p.channels, K = op.width(), rows_per_group = p.batch / p.groups;
