@@ -1,6 +1,8 @@
-// The causal_conv1d_update CPU kernel and its XLA FFI handler: the update_math.h math on the
-// state buffer that XLA aliases to the result, a batch row's channels at a time (a loop over the
-// channels for each tap), so that the loops vectorize where the channels are contiguous ("BLD").
+// The causal_conv1d_update CPU kernel and its XLA FFI handler, on the state buffer that XLA
+// aliases to the result. Update (update_math.h) says which pool row, ring slot or token each tap
+// reads; here a batch row's channels go at a time, the per-token sum of Update::output and the
+// state rewrite of Update::run written as loops over the channels, which vectorize where the
+// channels are contiguous ("BLD"). The CUDA kernel runs Update::run itself.
 #include <algorithm>
 #include <cstring>
 #include <vector>
