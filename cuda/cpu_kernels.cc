@@ -14,7 +14,7 @@
 // which it writes to its own slot of a partial-sum buffer; the slots are reduced afterwards in a
 // fixed order. As the tiling does not depend on the thread count, the results are bitwise the
 // same for any number of threads and any schedule. They may differ in the last bits between
-// machines with and without FMA (the x86-64-v3/v4 versions below contract a * b + c).
+// machines with and without FMA (the x86-64-v3/v4 versions, cpu_target.h, contract a * b + c).
 #include <algorithm>
 #include <cstdint>
 #include <utility>
