@@ -78,6 +78,30 @@ def test_matches_reference(dtype, mode, layout, dev):
             assert np.all(np.asarray(y[jnp.asarray([1, 3])], np.float32) == 0), "padding rows must give y = 0"
 
 
+# Enough work for the CPU kernel's thread pool (B*T*D >= 65536 points) and channels in several
+# tiles of 1024, the last one partial; a pool with padding rows and rows in shuffled order.
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("mode", MODES)
+def test_many_channel_tiles(mode, layout, dev):
+    rng = np.random.default_rng(40 + MODES.index(mode) * 2 + LAYOUTS.index(layout))
+    B, T, D, K, S, pool = 12, 3, 2500, 4, 5, 16
+    x = x_like(rng, B, T, D, jnp.bfloat16, layout)
+    state = x_like(rng, pool, S, D, jnp.bfloat16, layout)
+    w, b = weights(rng, D, K)
+    indices = rng.permutation(pool)[:B].astype(np.int32)
+    indices[[2, 7]] = [-1, pool]  # padding rows
+    kwargs = dict(activation="silu", layout=layout, state_indices=jnp.asarray(indices))
+    if mode == "ring":
+        kwargs["cache_seqlens"] = jnp.asarray(rng.integers(0, 40, B), jnp.int32)
+    y, new_state = jax.jit(lambda *a: jcc.causal_conv1d_update(*a, **kwargs))(*put(dev, (x, state, w, b)))
+    y_ref, _ = reference.causal_conv1d_update(*to_f64((x, state, w, b)), **kwargs)
+    assert_close(y, y_ref, jnp.bfloat16, "y")
+    _, state_ref = reference.causal_conv1d_update(x, state, w, b, **kwargs)
+    np.testing.assert_array_equal(np.asarray(new_state), np.asarray(state_ref))
+    assert np.all(np.asarray(step(y, 0, layout)[jnp.asarray([2, 7])], np.float32) == 0)
+
+
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("width", [1, 2, 5, 9])
