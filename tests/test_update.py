@@ -99,7 +99,7 @@ def test_many_channel_tiles(mode, layout, dev):
     assert_close(y, y_ref, jnp.bfloat16, "y")
     _, state_ref = reference.causal_conv1d_update(x, state, w, b, **kwargs)
     np.testing.assert_array_equal(np.asarray(new_state), np.asarray(state_ref))
-    assert np.all(np.asarray(step(y, 0, layout)[jnp.asarray([2, 7])], np.float32) == 0)
+    assert np.all(np.asarray(y[jnp.asarray([2, 7])], np.float32) == 0), "padding rows must give y = 0"
 
 
 @pytest.mark.parametrize("dev", DEVICES)
