@@ -1,8 +1,9 @@
 // The causal_conv1d_update CPU kernel and its XLA FFI handler, on the state buffer that XLA
 // aliases to the result. Update (update_math.h) says which pool row, ring slot or token each tap
-// reads; here a batch row's channels go at a time, the per-token sum of Update::output and the
-// state rewrite of Update::run written as loops over the channels, which vectorize where the
-// channels are contiguous ("BLD"). The CUDA kernel runs Update::run itself.
+// reads and which slots the state's rewrite moves; here a batch row's channels go at a time, the
+// per-token sum of Update::output and each of the rewrite's moves written as loops over the
+// channels, which vectorize where the channels are contiguous ("BLD"). The generic CUDA kernel
+// runs Update::run itself.
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -15,16 +16,6 @@
 
 namespace causal_conv {
 namespace {
-
-// Where Update::input reads x_u of batch row b, as a pointer to its channel 0 (the channels at x's
-// or the state's channel stride), or null where it reads zeros (a ring position before 0).
-template <typename T, typename A, int kWidth>
-const T* input_run(const Update<T, A, kWidth>& op, int64_t b, int64_t row, int64_t u) {
-  if (u >= 0) return &op.x_at(b, u, 0);
-  if (op.p.cache_seqlens == nullptr) return &op.state_at(row, op.p.state_len + u, 0);
-  const int64_t position = int64_t{op.p.cache_seqlens[b]} + u;
-  return position < 0 ? nullptr : &op.state_at(row, op.ring_slot(position), 0);
-}
 
 // Update::run for every channel of batch row b: the outputs from the old state first (z
 // accumulates over the taps, each tap a loop over the channels), then the state's rewrite. w holds
@@ -47,42 +38,26 @@ CAUSAL_CONV_CPU_KERNEL void update_row(const Update<T, A, kWidth>& op, int64_t b
     for (int64_t d = 0; d < D; ++d) z[d] = bias[d0 + d];
     for (int64_t k = 0; k < K; ++k) {
       const int64_t u = t - P + k;
-      const T* tap = input_run(op, b, row, u);
+      const T* tap = op.input_at(b, row, u, d0);
       if (tap == nullptr) continue;
       const int64_t stride = u >= 0 ? xs : ss;
-      tap += d0 * stride;
       const A* wk = w + k * p.channels + d0;
       for (int64_t d = 0; d < D; ++d) z[d] += wk[d] * to_acc<A>(tap[d * stride]);
     }
     for (int64_t d = 0; d < D; ++d) yt[d * xs] = from_acc<T>(activate(z[d], kSilu));
   }
   if (row < 0) return;
-  // The state's rows may overlap their sources (a shift within one row): memmove where contiguous,
-  // which GCC's loop would do one element at a time for want of knowing they do not.
-  const auto copy = [&](T* to, const T* from, int64_t from_stride) {
+  // Update::rewrite_state's order. A shift's rows overlap their sources within one state row:
+  // memmove where contiguous, which GCC's loop would do one element at a time for want of knowing
+  // they do not.
+  op.rewrite_state(b, row, d0, [&](T* to, const T* from, bool from_x) {
     if constexpr (kContiguous) {
       std::memmove(to, from, sizeof(T) * static_cast<size_t>(D));
     } else {
+      const int64_t from_stride = from_x ? xs : ss;
       for (int64_t d = 0; d < D; ++d) to[d * ss] = from[d * from_stride];
     }
-  };
-  if (p.cache_seqlens == nullptr) {
-    // Ascending, as Update::shift_state: slot j takes a later slot or a new token.
-    for (int64_t j = 0; j < p.state_len; ++j) {
-      const int64_t source = j + p.tokens;
-      if (source < p.state_len) {
-        copy(&op.state_at(row, j, d0), &op.state_at(row, source, d0), ss);
-      } else {
-        copy(&op.state_at(row, j, d0), &op.x_at(b, source - p.state_len, d0), xs);
-      }
-    }
-    return;
-  }
-  if (p.state_len == 0) return;
-  const int64_t start = int64_t{p.cache_seqlens[b]};
-  for (int64_t t = p.tokens > p.state_len ? p.tokens - p.state_len : 0; t < p.tokens; ++t) {
-    copy(&op.state_at(row, op.ring_slot(start + t), d0), &op.x_at(b, t, d0), xs);
-  }
+  });
 }
 
 // Channels a tile. A tile runs every batch row of its channels in order, so that batch rows sharing

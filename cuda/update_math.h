@@ -62,12 +62,19 @@ struct Update {
     return static_cast<T*>(p.state)[offset(p.state_strides, row, j, d)];
   }
 
-  // x_u counted from the first new token: u >= 0 is new input, u in [-P, 0) is history.
-  CAUSAL_CONV_HD A input(int64_t b, int64_t row, int64_t u, int64_t d) const {
-    if (u >= 0) return to_acc<A>(x_at(b, u, d));
-    if (p.cache_seqlens == nullptr) return to_acc<A>(state_at(row, p.state_len + u, d));
+  // Where x_u of batch row b, channel d lives (u counted from the first new token: u >= 0 is new
+  // input, u in [-P, 0) history), or null where it reads as zero (a ring position before 0). The
+  // CPU kernel takes it at a run's first channel and steps by the layout's channel stride.
+  CAUSAL_CONV_HD const T* input_at(int64_t b, int64_t row, int64_t u, int64_t d) const {
+    if (u >= 0) return &x_at(b, u, d);
+    if (p.cache_seqlens == nullptr) return &state_at(row, p.state_len + u, d);
     const int64_t position = int64_t{p.cache_seqlens[b]} + u;
-    return position < 0 ? A(0) : to_acc<A>(state_at(row, ring_slot(position), d));
+    return position < 0 ? nullptr : &state_at(row, ring_slot(position), d);
+  }
+
+  CAUSAL_CONV_HD A input(int64_t b, int64_t row, int64_t u, int64_t d) const {
+    const T* from = input_at(b, row, u, d);
+    return from == nullptr ? A(0) : to_acc<A>(*from);
   }
 
   CAUSAL_CONV_HD A output(int64_t b, int64_t row, int64_t t, int64_t d) const {
@@ -77,23 +84,30 @@ struct Update {
     return activate(z, p.silu);
   }
 
-  // Shift mode: the state keeps the last state_len inputs. Slot j takes slot j + tokens (or a new
-  // token), always from a higher index, so an ascending in-place pass never reads a new value.
-  CAUSAL_CONV_HD void shift_state(int64_t b, int64_t row, int64_t d) const {
-    for (int64_t j = 0; j < p.state_len; ++j) {
-      const int64_t source = j + p.tokens;
-      state_at(row, j, d) =
-          source < p.state_len ? state_at(row, source, d) : x_at(b, source - p.state_len, d);
+  // The state's rewrite once the outputs are computed: move(to, from, from_x) for each slot that
+  // changes, to and from at channel d, from_x telling whether from is a token of x or a slot of
+  // the same state row. Shift mode keeps the last state_len inputs: slot j takes slot j + tokens
+  // or a new token, always from a higher index, so an ascending in-place pass never reads a new
+  // value. Ring mode: token t goes to position cache_seqlens[b] + t; only the last state_len
+  // survive.
+  template <typename Move>
+  CAUSAL_CONV_HD void rewrite_state(int64_t b, int64_t row, int64_t d, const Move& move) const {
+    if (p.cache_seqlens == nullptr) {
+      for (int64_t j = 0; j < p.state_len; ++j) {
+        const int64_t source = j + p.tokens;
+        if (source < p.state_len) {
+          move(&state_at(row, j, d), &state_at(row, source, d), false);
+        } else {
+          move(&state_at(row, j, d), &x_at(b, source - p.state_len, d), true);
+        }
+      }
+      return;
     }
-  }
-
-  // Ring mode: token t goes to position cache_seqlens[b] + t; only the last state_len survive.
-  CAUSAL_CONV_HD void write_ring(int64_t b, int64_t row, int64_t d) const {
     if (p.state_len == 0) return;
     const int64_t start = int64_t{p.cache_seqlens[b]};
     const int64_t first = p.tokens > p.state_len ? p.tokens - p.state_len : 0;
     for (int64_t t = first; t < p.tokens; ++t) {
-      state_at(row, ring_slot(start + t), d) = x_at(b, t, d);
+      move(&state_at(row, ring_slot(start + t), d), &x_at(b, t, d), true);
     }
   }
 
@@ -104,11 +118,7 @@ struct Update {
       y[offset(p.x_strides, b, t, d)] = from_acc<T>(row < 0 ? A(0) : output(b, row, t, d));
     }
     if (row < 0) return;
-    if (p.cache_seqlens == nullptr) {
-      shift_state(b, row, d);
-    } else {
-      write_ring(b, row, d);
-    }
+    rewrite_state(b, row, d, [](T* to, const T* from, bool) { *to = *from; });
   }
 };
 
