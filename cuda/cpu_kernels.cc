@@ -22,6 +22,7 @@
 
 #include "conv_math.h"
 #include "cpu_half.h"
+#include "cpu_params.h"
 #include "cpu_target.h"
 #include "cpu_tiles.h"
 #include "ffi_common.h"
@@ -181,12 +182,7 @@ struct Channels {
         origin(offset(p.x_strides, tile.b, 0, tile.d0)), w(static_cast<size_t>(K * n)),
         bias(static_cast<size_t>(n)), row(static_cast<size_t>(K)), used(static_cast<size_t>(K)),
         z(static_cast<size_t>(n)) {
-    for (int64_t dd = 0; dd < n; ++dd) {
-      for (int64_t k = 0; k < K; ++k) {
-        w[static_cast<size_t>(k * n + dd)] = conv.weight(b, d0 + dd, k);
-      }
-      bias[static_cast<size_t>(dd)] = conv.bias(b, d0 + dd);
-    }
+    param_table<T, A>(p, b, d0, n, K, w.data(), bias.data());
   }
 
   // The K weights of channel d0 + dd, contiguous (valid until the next call).

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cpu_half.h"
+#include "cpu_params.h"
 #include "cpu_target.h"
 #include "cpu_tiles.h"
 #include "ffi_common.h"
@@ -73,10 +74,7 @@ void update(ffi::ThreadPool& pool, const UpdateParams& p) {
   const int64_t D = p.channels, K = op.width(), rows_per_group = p.batch / p.groups;
   std::vector<A> w(static_cast<size_t>(p.groups * K * D)), bias(static_cast<size_t>(p.groups * D));
   for (int64_t g = 0; g < p.groups; ++g) {
-    for (int64_t d = 0; d < D; ++d) {
-      bias[g * D + d] = op.bias(g * rows_per_group, d);
-      for (int64_t k = 0; k < K; ++k) w[(g * K + k) * D + d] = op.weight(g * rows_per_group, d, k);
-    }
+    param_table<T, A>(p, g * rows_per_group, 0, D, K, w.data() + g * K * D, bias.data() + g * D);
   }
   const bool contiguous = p.x_strides.channel == 1 && p.state_strides.channel == 1;
   const int64_t tiles = (D + kUpdateTileChannels - 1) / kUpdateTileChannels;
