@@ -274,9 +274,6 @@ struct Conv {
   CAUSAL_CONV_HD int64_t state_len() const { return width() - 1; }
 
   CAUSAL_CONV_HD int64_t param_row(int64_t b, int64_t d) const { return param_row_of(p, b, d); }
-  CAUSAL_CONV_HD A weight(int64_t b, int64_t d, int64_t k) const {
-    return weight_of<T, A>(p, b, d, width(), k);
-  }
   CAUSAL_CONV_HD A bias(int64_t b, int64_t d) const { return bias_of<T, A>(p, b, d); }
   // fn(w), w(k) being weight k of row (b, d): the weights' type is picked once, outside fn's loop.
   template <typename Fn>
