@@ -43,6 +43,22 @@ def put(dev, tree):
     return jax.device_put(tree, device(dev))
 
 
+def check_against_reference(dev, dtype, x, state, w, bias, kwargs, padding_rows, what):
+    """One jitted update against the float64 reference (y) and the reference in x's dtype (the
+    state, which only ever receives copies of x or of itself: exact in every dtype); padding_rows'
+    y must be 0."""
+    y, new_state = jax.jit(
+        lambda x, s, w, b: jcc.causal_conv1d_update(x, s, w, b, **kwargs)
+    )(*put(dev, (x, state, w, bias)))
+    y_ref, _ = reference.causal_conv1d_update(*to_f64((x, state, w, bias)), **kwargs)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert_close(y, y_ref, dtype, what)
+    _, state_ref = reference.causal_conv1d_update(x, state, w, bias, **kwargs)
+    np.testing.assert_array_equal(np.asarray(new_state), np.asarray(state_ref))
+    if padding_rows:
+        assert np.all(np.asarray(y[jnp.asarray(padding_rows)], np.float32) == 0), "padding rows must give y = 0"
+
+
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mode", MODES)
@@ -65,17 +81,8 @@ def test_matches_reference(dtype, mode, layout, dev):
         if pool is not None:
             kwargs["state_indices"] = jnp.asarray([5, -1, 0, 7], jnp.int32)  # -1 and 7: padding
         bias = b if use_bias else None
-        y, new_state = jax.jit(
-            lambda x, s, w, b: jcc.causal_conv1d_update(x, s, w, b, **kwargs)
-        )(*put(dev, (x, state, w, bias)))
-        y_ref, _ = reference.causal_conv1d_update(*to_f64((x, state, w, bias)), **kwargs)
-        assert y.shape == x.shape and y.dtype == x.dtype
-        assert_close(y, y_ref, dtype, f"y tokens={tokens}")
-        # The state only ever receives copies of x or of itself: exact in every dtype.
-        _, state_ref = reference.causal_conv1d_update(x, state, w, bias, **kwargs)
-        np.testing.assert_array_equal(np.asarray(new_state), np.asarray(state_ref))
-        if pool is not None:
-            assert np.all(np.asarray(y[jnp.asarray([1, 3])], np.float32) == 0), "padding rows must give y = 0"
+        check_against_reference(dev, dtype, x, state, w, bias, kwargs,
+                                [1, 3] if pool is not None else [], f"y tokens={tokens}")
 
 
 # Enough work for the CPU kernel's thread pool (B*T*D >= 65536 points) and channels in several
@@ -94,12 +101,7 @@ def test_many_channel_tiles(mode, layout, dev):
     kwargs = dict(activation="silu", layout=layout, state_indices=jnp.asarray(indices))
     if mode == "ring":
         kwargs["cache_seqlens"] = jnp.asarray(rng.integers(0, 40, B), jnp.int32)
-    y, new_state = jax.jit(lambda *a: jcc.causal_conv1d_update(*a, **kwargs))(*put(dev, (x, state, w, b)))
-    y_ref, _ = reference.causal_conv1d_update(*to_f64((x, state, w, b)), **kwargs)
-    assert_close(y, y_ref, jnp.bfloat16, "y")
-    _, state_ref = reference.causal_conv1d_update(x, state, w, b, **kwargs)
-    np.testing.assert_array_equal(np.asarray(new_state), np.asarray(state_ref))
-    assert np.all(np.asarray(y[jnp.asarray([2, 7])], np.float32) == 0), "padding rows must give y = 0"
+    check_against_reference(dev, jnp.bfloat16, x, state, w, b, kwargs, [2, 7], "y")
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -132,13 +134,7 @@ def one_token_check(rng, dtype, layout, mode, B, D, K, dev, pool=None, indices=N
         kwargs["cache_seqlens"] = jnp.asarray(rng.integers(-2, 4 * S + 3, B), jnp.int32)
     if indices is not None:
         kwargs["state_indices"] = jnp.asarray(indices, jnp.int32)
-    y, new_state = jax.jit(
-        lambda x, s, w, b: jcc.causal_conv1d_update(x, s, w, b, **kwargs)
-    )(*put(dev, (x, state, w, b)))
-    y_ref, _ = reference.causal_conv1d_update(*to_f64((x, state, w, b)), **kwargs)
-    assert_close(y, y_ref, dtype, f"y {layout} {mode} D={D} K={K}")
-    _, state_ref = reference.causal_conv1d_update(x, state, w, b, **kwargs)
-    np.testing.assert_array_equal(np.asarray(new_state), np.asarray(state_ref))
+    check_against_reference(dev, dtype, x, state, w, b, kwargs, [], f"y {layout} {mode} D={D} K={K}")
 
 
 # The GPU's one-token kernel takes a vector of channels (16 bytes of x) in several batch rows per
