@@ -7,13 +7,15 @@ short channel-first rows of a few packs, rows of two segments through the masked
 kernels' seq_idx check shared by a block's warps, the bfloat16 channel-first backward on tensor
 cores (calls without states), decode steps of the one-token kernel (channel-last,
 channel-first with and without the shared-memory staging, ring mode, a pool with padding rows,
-grids of several blocks with threads past the channels and rows) and of the generic one, and
-checks each result against the reference so a wrong answer also fails the run. Each printed line
-starts with the case's index; `--start N` runs the cases from index N on (scripts/gpu_check.sh
-resumes with it after a sanitizer crash), `--stop N` those before index N.
+grids of several blocks with threads past the channels and rows) and of the generic one (several
+tokens, states longer than K - 1, a width past the compiled ones), and checks each result against
+the reference so a wrong answer also fails the run. Each printed line starts with the case's
+index; `--start N` runs the cases from index N on (scripts/gpu_check.sh resumes with it after a
+sanitizer crash), `--stop N` those before index N.
 """
 
 import argparse
+from typing import Any, NamedTuple
 
 import jax
 
@@ -87,8 +89,19 @@ CASES = [
     (2, 2040, 256, 5, "BDL", jnp.float16, 3, True),
 ]
 
-UPDATE_CASES = [
-    # batch, channels, width, layout, dtype, ring mode (cache_seqlens), state pool rows (0: none)
+class UpdateCase(NamedTuple):
+    batch: int
+    channels: int
+    width: int
+    layout: str
+    dtype: Any
+    ring: bool  # ring mode (cache_seqlens), else shift mode
+    pool: int  # state pool rows (state_indices), 0: none
+    tokens: int = 0  # 0: one token, x (B, D); else x (B, T, D) or (B, D, T)
+    state_len: int = 0  # 0: width - 1
+
+
+UPDATE_CASES = [UpdateCase(*case) for case in [
     (7, 512, 4, "BDL", jnp.bfloat16, False, 0),  # staged: channel vectors a multiple of 32
     (7, 512, 8, "BDL", jnp.float32, False, 9),
     (5, 48, 4, "BDL", jnp.bfloat16, False, 0),   # not staged: 6 vectors
@@ -101,16 +114,26 @@ UPDATE_CASES = [
     (600, 4096, 4, "BDL", jnp.bfloat16, False, 0),    # staged, no pool (the direct kernel)
     (600, 4096, 4, "BDL", jnp.bfloat16, False, 700),  # staged through the pool lookup
     (600, 4096, 4, "BLD", jnp.bfloat16, True, 700),   # channel-last ring through the pool
-]
+    # the generic kernel (Update::run): several tokens, or a state longer than K - 1
+    (6, 96, 4, "BLD", jnp.bfloat16, False, 0, 5, 3),
+    (4, 80, 4, "BDL", jnp.float32, True, 0, 16, 7),
+    (5, 40, 3, "BLD", jnp.float16, True, 7, 3, 6),
+    (3, 64, 8, "BDL", jnp.bfloat16, False, 9, 1, 12),
+    (2, 32, 11, "BLD", jnp.float32, True, 0, 4, 10),  # a width past the compiled ones
+]]
 
 
 def check_update(index):
     """One decode step of UPDATE_CASES[index]: y and the new state against the reference."""
-    batch, channels, width, layout, dtype, ring, pool = UPDATE_CASES[index]
+    batch, channels, width, layout, dtype, ring, pool, tokens, state_len = UPDATE_CASES[index]
     rng = np.random.default_rng(100 + index)
     rows = pool or batch
-    s_shape = (rows, width - 1, channels) if layout == "BLD" else (rows, channels, width - 1)
-    x = jnp.asarray(rng.standard_normal((batch, channels)), dtype)
+    state_len = state_len or width - 1
+    s_shape = (rows, state_len, channels) if layout == "BLD" else (rows, channels, state_len)
+    x_shape = (batch, channels)
+    if tokens:
+        x_shape = (batch, tokens, channels) if layout == "BLD" else (batch, channels, tokens)
+    x = jnp.asarray(rng.standard_normal(x_shape), dtype)
     state = jnp.asarray(rng.standard_normal(s_shape), dtype)
     w = jnp.asarray(rng.standard_normal((channels, width)), jnp.float32)
     b = jnp.asarray(rng.standard_normal(channels), jnp.float32)
@@ -129,8 +152,8 @@ def check_update(index):
     same_state = bool(np.array_equal(np.asarray(new_state), np.asarray(state_ref)))
     status = "ok" if err <= tol * 10 and same_state else "MISMATCH"
     print(len(CASES) + index, "update", batch, channels, width, layout, jnp.dtype(dtype).name,
-          "ring" if ring else "shift", pool, "%.1e" % err, "state equal" if same_state else
-          "state differs", status, flush=True)
+          "ring" if ring else "shift", pool, f"tokens={tokens or 1} state={state_len}",
+          "%.1e" % err, "state equal" if same_state else "state differs", status, flush=True)
     if status != "ok":
         raise SystemExit(1)
 
