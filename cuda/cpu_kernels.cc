@@ -42,6 +42,11 @@ constexpr int64_t kTilePoints = int64_t{1} << 16;
 // 1.01 of the reference under XLA and the backward 10-20% faster; 1024-channel runs at K = 8
 // (64 KB a step) made the forward slower.
 constexpr int64_t kStepBytes = int64_t{32} << 10;
+// The shortest time tiles that a forward cuts to give each thread a tile. On 16 cores of a Xeon,
+// B=2 L=512 D=256 forwards in four tiles left 12 threads idle: bf16 K = 2 took up to 1.24x the
+// reference's time; cut into 16 tiles, at most 1.02x, and every other forward of that size gained
+// too (sixty-second session, ratios to the same run's reference; RESULTS.md, section CPU).
+constexpr int64_t kMinSplitSteps = 32;
 // Lanes of the dw/db partial sums along time in "BDL" (a fixed count, so results do not depend
 // on the vector width of the CPU).
 constexpr int64_t kLanes = 16;
@@ -50,12 +55,18 @@ struct Tile {
   int64_t b, d0, d1, t0, t1;
 };
 
-// Tile sizes depend only on the shape and the layout.
+// Tile sizes depend on the shape and the layout, and a forward's also on the pool's threads.
 struct Tiling {
   int64_t channel_block, time_block, channel_tiles, time_tiles, count;
 
   // tap_bytes: a channel's bytes a tap, its weight's and its x's (sizeof(A) + sizeof(T)).
-  Tiling(const ConvParams& p, int64_t tap_bytes) {
+  // min_tiles: a call of several tiles has its time cut finer (down to kMinSplitSteps) until there
+  // are this many. A one-tile call (about kParallelPoints) stays whole: on a 2-core machine handing
+  // half of it to a second thread cost more than it saved (B=1 L=256 D=256 bf16: 92 -> 150 us).
+  // The forward passes its threads for a threaded call: its outputs do not depend on the tiles.
+  // The backward passes 1, since it sums dw/db per tile and its results must not depend on the
+  // machine's thread count.
+  Tiling(const ConvParams& p, int64_t tap_bytes, int64_t min_tiles) {
     // "BLD": runs of 512 channels per time step, doubled while kStepBytes allows;
     // "BDL": channel rows of up to 8192 steps.
     if (p.channel_last) {
@@ -72,8 +83,15 @@ struct Tiling {
     time_block = std::max<int64_t>(1, time_block);
     channel_tiles = (p.channels + channel_block - 1) / channel_block;
     // At least one time tile, so that dS is written even for an empty sequence.
-    time_tiles = std::max<int64_t>(1, (p.length + time_block - 1) / time_block);
-    count = p.batch * channel_tiles * time_tiles;
+    const auto count_for = [&](int64_t block) {
+      time_tiles = std::max<int64_t>(1, (p.length + block - 1) / block);
+      return p.batch * channel_tiles * time_tiles;
+    };
+    count = count_for(time_block);
+    while (count > 1 && count < min_tiles && time_block > kMinSplitSteps) {
+      time_block = std::max(kMinSplitSteps, (time_block + 1) / 2);
+      count = count_for(time_block);
+    }
   }
   int64_t index(int64_t b, int64_t c, int64_t tt) const {
     return (b * channel_tiles + c) * time_tiles + tt;
@@ -497,8 +515,9 @@ CAUSAL_CONV_CPU_KERNEL void backward_tile(const ConvParams& p, const Tile& tile,
 
 template <typename T, typename A, int kWidth>
 void forward(ffi::ThreadPool& pool, const ConvParams& p) {
-  const Tiling tiling(p, sizeof(T) + sizeof(A));
-  run_tiles(pool, tiling.count, p.batch * p.length * p.channels, [&](int64_t i) {
+  const int64_t points = p.batch * p.length * p.channels;
+  const Tiling tiling(p, sizeof(T) + sizeof(A), threads_for(pool, points));
+  run_tiles(pool, tiling.count, points, [&](int64_t i) {
     const Tile tile = tiling.tile(p, i);
     if (p.silu) {
       forward_tile<T, A, kWidth, true>(p, tile);
@@ -518,7 +537,7 @@ void forward(ffi::ThreadPool& pool, const ConvParams& p) {
 // dweight and dbias are stored in the params' type (A, or T when params_like_x).
 template <typename T, typename A, int kWidth>
 void backward(ffi::ThreadPool& pool, const ConvParams& p, void* dweight, void* dbias) {
-  const Tiling tiling(p, sizeof(T) + sizeof(A));
+  const Tiling tiling(p, sizeof(T) + sizeof(A), 1);
   const int64_t K = p.width, cb = tiling.channel_block;
   std::vector<A> dw_parts(static_cast<size_t>(tiling.count * cb * K));
   std::vector<A> db_parts(static_cast<size_t>(tiling.count * cb));

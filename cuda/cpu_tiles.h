@@ -17,6 +17,11 @@ namespace causal_conv {
 // Below this many points a call runs on the calling thread: scheduling costs more than it saves.
 constexpr int64_t kParallelPoints = int64_t{1} << 16;
 
+// The threads a call of this many points may use: XLA's pool, or only the calling thread.
+inline int64_t threads_for(ffi::ThreadPool& pool, int64_t points) {
+  return points >= kParallelPoints ? pool.num_threads() : 1;
+}
+
 // Runs fn(i) for i in [0, tiles): on the calling thread for small work, else on the calling
 // thread and up to num_threads - 1 tasks of XLA's pool, which take tiles from a shared counter.
 // The caller waits only for tiles that were taken, never for a task to start, so it cannot
@@ -24,7 +29,7 @@ constexpr int64_t kParallelPoints = int64_t{1} << 16;
 // shared state it co-owns.
 template <typename Fn>
 inline void run_tiles(ffi::ThreadPool& pool, int64_t tiles, int64_t points, const Fn& fn) {
-  const int64_t threads = points >= kParallelPoints ? std::min(pool.num_threads(), tiles) : 1;
+  const int64_t threads = std::min(threads_for(pool, points), tiles);
   if (threads <= 1) {
     for (int64_t i = 0; i < tiles; ++i) fn(i);
     return;

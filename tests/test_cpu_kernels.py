@@ -4,10 +4,15 @@ The other tests use short sequences, which the CPU kernels run as one tile on th
 Here the shapes cross tile boundaries in time and channels (a tile recomputes delta on its right
 halo and owns only its dx and dw/db terms) and exceed the threading threshold, with packed
 segments, padding inside a row, initial and final states, in both layouts, at a compile-time
-width (4) and a runtime one (17).
+width (4) and a runtime one (17). A forward with fewer tiles than threads cuts them shorter: a
+child process with 16 threads must give the same bits as one with a single thread.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -71,3 +76,71 @@ def test_many_tiles_deterministic(layout):
         again = [np.asarray(v) for v in jax.tree.leaves(run(args, seq, cotangent))]
         for a, b in zip(first, again):
             np.testing.assert_array_equal(a, b)
+
+
+# A forward of several tiles, fewer than the pool's threads, has its time cut into shorter tiles,
+# down to 32 steps (cpu_kernels.cc, `Tiling`); the backward's tiles never depend on the threads.
+# XLA sizes the pool by PJRT_NPROC, so a child process with 16 threads takes that path on any
+# machine, and one with a single thread runs the plain tiles. Shapes: 4 tiles cut into 16 of 64
+# (BLD) or 128 (BDL) steps; 2 tiles cut into 32-step ones, shorter than K = 40's halo.
+SPLIT_CASES = [  # batch, length, channels, width, layout, dtype
+    (2, 512, 256, 4, "BLD", jnp.bfloat16),
+    (2, 512, 256, 2, "BDL", jnp.bfloat16),
+    (2, 256, 256, 17, "BLD", jnp.float32),
+    (2, 256, 256, 40, "BLD", jnp.float32),
+    (2, 256, 256, 40, "BDL", jnp.bfloat16),
+]
+
+FORWARD_IN_CHILD = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from jax_causal_conv import causal_conv1d
+data = np.load(sys.argv[1])
+out = {}
+for i in range(int(data["cases"])):
+    arg = lambda name: data[f"{i}/{name}"]
+    layout, dtype = str(arg("layout")), jnp.dtype(str(arg("dtype")))
+    run = jax.jit(lambda x, w, b, s, seq: causal_conv1d(
+        x, w, b, activation="silu", initial_state=s, seq_idx=seq, return_final_state=True,
+        layout=layout))
+    y, final = run(jnp.asarray(arg("x"), dtype), arg("weight"), arg("bias"),
+                   jnp.asarray(arg("initial_state"), dtype), arg("seq_idx"))
+    out[f"{i}/y"] = np.asarray(y, np.float32)
+    out[f"{i}/final_state"] = np.asarray(final, np.float32)
+np.savez(sys.argv[2], **out)
+"""
+
+
+def test_forward_tiles_cut_for_many_threads(tmp_path):
+    rng = np.random.default_rng(62)
+    inputs, made = {"cases": len(SPLIT_CASES)}, []
+    for i, (batch, length, channels, width, layout, dtype) in enumerate(SPLIT_CASES):
+        case = make_inputs(rng, batch=batch, length=length, channels=channels, width=width,
+                           dtype=dtype, layout=layout, initial_state=True, seq_idx=True)
+        made.append(case)
+        for name, value in case.items():
+            inputs[f"{i}/{name}"] = np.asarray(value, np.float32 if name != "seq_idx" else None)
+        inputs[f"{i}/layout"], inputs[f"{i}/dtype"] = layout, jnp.dtype(dtype).name
+    np.savez(tmp_path / "inputs.npz", **inputs)
+    outputs = {}
+    for threads in (1, 16):
+        env = dict(os.environ, PJRT_NPROC=str(threads), JAX_PLATFORMS="cpu")
+        # One CPU device, not conftest's 8: XLA gives the pool at least a thread per device.
+        env["XLA_FLAGS"] = " ".join(flag for flag in env.get("XLA_FLAGS", "").split()
+                                    if "xla_force_host_platform_device_count" not in flag)
+        path = tmp_path / f"threads{threads}.npz"
+        # cwd: not the source tree, whose package has no compiled modules.
+        subprocess.run([sys.executable, "-c", FORWARD_IN_CHILD, str(tmp_path / "inputs.npz"),
+                        str(path)], check=True, cwd="/", env=env)
+        outputs[threads] = np.load(path)
+    for i, case in enumerate(made):
+        layout, dtype = SPLIT_CASES[i][4], SPLIT_CASES[i][5]
+        for name in ("y", "final_state"):
+            np.testing.assert_array_equal(outputs[16][f"{i}/{name}"], outputs[1][f"{i}/{name}"],
+                                          err_msg=f"case {i} {name}: 16 threads against 1")
+        y_ref, final_ref = reference.causal_conv1d(
+            *to_f64((case["x"], case["weight"], case["bias"])), activation="silu",
+            initial_state=to_f64(case["initial_state"]), seq_idx=case["seq_idx"],
+            return_final_state=True, layout=layout)
+        assert_close(outputs[16][f"{i}/y"], y_ref, dtype, f"case {i} y")
+        assert_close(outputs[16][f"{i}/final_state"], final_ref, dtype, f"case {i} final_state")
