@@ -44,8 +44,8 @@ constexpr int64_t kTilePoints = int64_t{1} << 16;
 constexpr int64_t kStepBytes = int64_t{32} << 10;
 // The shortest time tiles that a forward cuts to give each thread a tile. On 16 cores of a Xeon,
 // B=2 L=512 D=256 forwards in four tiles left 12 threads idle: bf16 K = 2 took up to 1.24x the
-// reference's time; cut into 16 tiles, at most 1.02x, and every other forward of that size gained
-// too (sixty-second session, ratios to the same run's reference; RESULTS.md, section CPU).
+// reference's time; cut into 16 tiles, at most 1.02x, and the other forwards of that size held or
+// gained (sixty-second session, ratios to the same run's reference; RESULTS.md, section CPU).
 constexpr int64_t kMinSplitSteps = 32;
 // Lanes of the dw/db partial sums along time in "BDL" (a fixed count, so results do not depend
 // on the vector width of the CPU).
