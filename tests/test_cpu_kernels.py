@@ -92,7 +92,7 @@ SPLIT_CASES = [  # batch, length, channels, width, layout, dtype
 ]
 
 FORWARD_IN_CHILD = """
-import sys
+import os, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax_causal_conv import causal_conv1d
 data = np.load(sys.argv[1])
@@ -107,6 +107,10 @@ for i in range(int(data["cases"])):
                    jnp.asarray(arg("initial_state"), dtype), arg("seq_idx"))
     out[f"{i}/y"] = np.asarray(y, np.float32)
     out[f"{i}/final_state"] = np.asarray(final, np.float32)
+out["pool_threads"] = -1
+if os.path.isdir("/proc/self/task"):  # Linux: XLA names its intra-op pool's threads "tf_XLAEigen"
+    names = [open(f"/proc/self/task/{t}/comm").read() for t in os.listdir("/proc/self/task")]
+    out["pool_threads"] = sum("XLAEigen" in name for name in names)
 np.savez(sys.argv[2], **out)
 """
 
@@ -133,6 +137,10 @@ def test_forward_tiles_cut_for_many_threads(tmp_path):
         subprocess.run([sys.executable, "-c", FORWARD_IN_CHILD, str(tmp_path / "inputs.npz"),
                         str(path)], check=True, cwd="/", env=env)
         outputs[threads] = np.load(path)
+    # Where the child could count them, its pool must have had the 16 threads that cut the tiles.
+    pool_threads = int(outputs[16]["pool_threads"])
+    if pool_threads >= 0:
+        assert pool_threads >= 16, f"PJRT_NPROC=16 gave XLA's pool {pool_threads} threads"
     for i, case in enumerate(made):
         layout, dtype = SPLIT_CASES[i][4], SPLIT_CASES[i][5]
         for name in ("y", "final_state"):
