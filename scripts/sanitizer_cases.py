@@ -89,6 +89,7 @@ CASES = [
     (2, 2040, 256, 5, "BDL", jnp.float16, 3, True),
 ]
 
+
 class UpdateCase(NamedTuple):
     batch: int
     channels: int
