@@ -5,7 +5,7 @@ Here the shapes cross tile boundaries in time and channels (a tile recomputes de
 halo and owns only its dx and dw/db terms) and exceed the threading threshold, with packed
 segments, padding inside a row, initial and final states, in both layouts, at a compile-time
 width (4) and a runtime one (17). A forward with fewer tiles than threads cuts them shorter: a
-child process with 16 threads must give the same bits as one with a single thread.
+child process with 16 threads must give the same bits, forward and backward, as one with one.
 """
 
 from __future__ import annotations
@@ -81,8 +81,9 @@ def test_many_tiles_deterministic(layout):
 # A forward of several tiles, fewer than the pool's threads, has its time cut into shorter tiles,
 # down to 32 steps (cpu_kernels.cc, `Tiling`); the backward's tiles never depend on the threads.
 # XLA sizes the pool by PJRT_NPROC, so a child process with 16 threads takes that path on any
-# machine, and one with a single thread runs the plain tiles. Shapes: 4 tiles cut into 16 of 64
-# (BLD) or 128 (BDL) steps; 2 tiles cut into 32-step ones, shorter than K = 40's halo.
+# machine, and one with a single thread runs the plain tiles; both must give the same bits,
+# forward and backward. Shapes: 4 tiles cut into 16 of 64 (BLD) or 128 (BDL) steps; 2 tiles cut
+# into 32-step ones, shorter than K = 40's halo.
 SPLIT_CASES = [  # batch, length, channels, width, layout, dtype
     (2, 512, 256, 4, "BLD", jnp.bfloat16),
     (2, 512, 256, 2, "BDL", jnp.bfloat16),
@@ -91,22 +92,43 @@ SPLIT_CASES = [  # batch, length, channels, width, layout, dtype
     (2, 256, 256, 40, "BDL", jnp.bfloat16),
 ]
 
-FORWARD_IN_CHILD = """
+# The child's script: each case's outputs (y, the final state, the four gradients) through our
+# kernels, and with a third argument through the reference in float64, stored as float64 arrays.
+IN_CHILD = """
 import os, sys
-import jax, jax.numpy as jnp, numpy as np
-from jax_causal_conv import causal_conv1d
+import jax
+jax.config.update("jax_enable_x64", True)
+import jax.numpy as jnp, numpy as np
+from jax_causal_conv import causal_conv1d, reference
+OUTPUTS = ("y", "final_state", "dx", "dweight", "dbias", "dinitial_state")
+
+
+def forward_and_grads(conv, x, weight, bias, initial_state, seq_idx, dy, dfinal, layout):
+    def f(x, weight, bias, initial_state):
+        return conv(x, weight, bias, activation="silu", initial_state=initial_state,
+                    seq_idx=seq_idx, return_final_state=True, layout=layout)
+
+    out, pull = jax.vjp(f, x, weight, bias, initial_state)
+    return (*out, *pull((dy, dfinal)))
+
+
 data = np.load(sys.argv[1])
 out = {}
 for i in range(int(data["cases"])):
     arg = lambda name: data[f"{i}/{name}"]
-    layout, dtype = str(arg("layout")), jnp.dtype(str(arg("dtype")))
-    run = jax.jit(lambda x, w, b, s, seq: causal_conv1d(
-        x, w, b, activation="silu", initial_state=s, seq_idx=seq, return_final_state=True,
-        layout=layout))
-    y, final = run(jnp.asarray(arg("x"), dtype), arg("weight"), arg("bias"),
-                   jnp.asarray(arg("initial_state"), dtype), arg("seq_idx"))
-    out[f"{i}/y"] = np.asarray(y, np.float32)
-    out[f"{i}/final_state"] = np.asarray(final, np.float32)
+    dtype, layout = jnp.dtype(str(arg("dtype"))), str(arg("layout"))
+    names = ("x", "weight", "bias", "initial_state", "seq_idx", "dy", "dfinal")
+    in_dtype = {"x": dtype, "weight": jnp.float32, "bias": jnp.float32, "initial_state": dtype,
+                "seq_idx": jnp.int32, "dy": dtype, "dfinal": dtype}
+    runs = {"ours": (causal_conv1d, in_dtype)}
+    if len(sys.argv) > 3:
+        runs["reference"] = (reference.causal_conv1d, {**{n: jnp.float64 for n in names},
+                                                       "seq_idx": jnp.int32})
+    for run_name, (conv, dtypes) in runs.items():
+        args = [jnp.asarray(arg(n), dtypes[n]) for n in names]
+        values = jax.jit(forward_and_grads, static_argnums=(0, 8))(conv, *args, layout)
+        for name, value in zip(OUTPUTS, values):
+            out[f"{run_name}/{i}/{name}"] = np.asarray(value, np.float64)
 out["pool_threads"] = -1
 if os.path.isdir("/proc/self/task"):  # Linux: XLA names its intra-op pool's threads "tf_XLAEigen"
     names = [open(f"/proc/self/task/{t}/comm").read() for t in os.listdir("/proc/self/task")]
@@ -115,13 +137,14 @@ np.savez(sys.argv[2], **out)
 """
 
 
-def test_forward_tiles_cut_for_many_threads(tmp_path):
+def test_tiles_cut_for_many_threads(tmp_path):
     rng = np.random.default_rng(62)
-    inputs, made = {"cases": len(SPLIT_CASES)}, []
+    inputs = {"cases": len(SPLIT_CASES)}
     for i, (batch, length, channels, width, layout, dtype) in enumerate(SPLIT_CASES):
         case = make_inputs(rng, batch=batch, length=length, channels=channels, width=width,
                            dtype=dtype, layout=layout, initial_state=True, seq_idx=True)
-        made.append(case)
+        case["dy"] = jnp.asarray(rng.standard_normal(case["x"].shape), dtype)
+        case["dfinal"] = jnp.asarray(rng.standard_normal(case["initial_state"].shape), dtype)
         for name, value in case.items():
             inputs[f"{i}/{name}"] = np.asarray(value, np.float32 if name != "seq_idx" else None)
         inputs[f"{i}/layout"], inputs[f"{i}/dtype"] = layout, jnp.dtype(dtype).name
@@ -133,22 +156,19 @@ def test_forward_tiles_cut_for_many_threads(tmp_path):
         env["XLA_FLAGS"] = " ".join(flag for flag in env.get("XLA_FLAGS", "").split()
                                     if "xla_force_host_platform_device_count" not in flag)
         path = tmp_path / f"threads{threads}.npz"
+        with_reference = ["reference"] if threads == 1 else []
         # cwd: not the source tree, whose package has no compiled modules.
-        subprocess.run([sys.executable, "-c", FORWARD_IN_CHILD, str(tmp_path / "inputs.npz"),
-                        str(path)], check=True, cwd="/", env=env)
+        subprocess.run([sys.executable, "-c", IN_CHILD, str(tmp_path / "inputs.npz"), str(path),
+                        *with_reference], check=True, cwd="/", env=env)
         outputs[threads] = np.load(path)
     # Where the child could count them, its pool must have had the 16 threads that cut the tiles.
     pool_threads = int(outputs[16]["pool_threads"])
     if pool_threads >= 0:
         assert pool_threads >= 16, f"PJRT_NPROC=16 gave XLA's pool {pool_threads} threads"
-    for i, case in enumerate(made):
-        layout, dtype = SPLIT_CASES[i][4], SPLIT_CASES[i][5]
-        for name in ("y", "final_state"):
-            np.testing.assert_array_equal(outputs[16][f"{i}/{name}"], outputs[1][f"{i}/{name}"],
-                                          err_msg=f"case {i} {name}: 16 threads against 1")
-        y_ref, final_ref = reference.causal_conv1d(
-            *to_f64((case["x"], case["weight"], case["bias"])), activation="silu",
-            initial_state=to_f64(case["initial_state"]), seq_idx=case["seq_idx"],
-            return_final_state=True, layout=layout)
-        assert_close(outputs[16][f"{i}/y"], y_ref, dtype, f"case {i} y")
-        assert_close(outputs[16][f"{i}/final_state"], final_ref, dtype, f"case {i} final_state")
+    for key in outputs[16].files:
+        if not key.startswith("ours/"):
+            continue
+        ours, case = outputs[16][key], key.removeprefix("ours/")
+        np.testing.assert_array_equal(ours, outputs[1][key], err_msg=f"{case}: 16 threads and 1")
+        dtype = SPLIT_CASES[int(case.split("/")[0])][5]
+        assert_close(ours, outputs[1][f"reference/{case}"], dtype, case)
