@@ -10,12 +10,18 @@
 
 #if defined(__CUDACC__)
 #define CAUSAL_CONV_HD __host__ __device__ __forceinline__
+// Before a __host__ __device__ helper that calls a functor: the launch code passes it host lambdas,
+// the kernels device lambdas, and without this nvcc warns at each host instantiation.
+#define CAUSAL_CONV_EXEC_CHECK_DISABLE _Pragma("nv_exec_check_disable")
 #elif defined(__GNUC__)
 // Forced on the host as on the device: the CPU kernels are compiled once per instruction set
 // (cpu_kernels.cc), and a call the compiler leaves out of line there runs scalar baseline code.
 #define CAUSAL_CONV_HD inline __attribute__((always_inline))
 #else
 #define CAUSAL_CONV_HD inline
+#endif
+#ifndef CAUSAL_CONV_EXEC_CHECK_DISABLE
+#define CAUSAL_CONV_EXEC_CHECK_DISABLE
 #endif
 
 namespace causal_conv {
@@ -208,6 +214,7 @@ CAUSAL_CONV_HD A load_param(const void* base, int64_t i, bool like_x) {
 // around a run of load_param calls (a loop over the taps, the prologue that loads a thread's
 // weights), which then compile to straight loads of one type. The hint only orders the code;
 // with it ptxas allocates the vectorized kernels' registers closer to those of float weights only.
+CAUSAL_CONV_EXEC_CHECK_DISABLE
 template <typename T, typename A, typename Fn>
 CAUSAL_CONV_HD auto with_param_type(bool like_x, const Fn& fn) {
   if constexpr (!std::is_same_v<T, A>) {
@@ -219,6 +226,7 @@ CAUSAL_CONV_HD auto with_param_type(bool like_x, const Fn& fn) {
 // fn(flag) with flag a compile-time std::bool_constant: a flag tested per element inside a loop
 // (the activation) costs a select each time; branching once around the loop compiles the loop
 // once for each value instead.
+CAUSAL_CONV_EXEC_CHECK_DISABLE
 template <typename Fn>
 CAUSAL_CONV_HD auto with_bool_constant(bool flag, const Fn& fn) {
   if (flag) return fn(std::true_type{});

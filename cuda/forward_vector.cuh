@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(kForwardThreads, forward_channel_last_min_bloc
       // read by the step before (or by read_first, after the piece's other loads are issued), and
       // the step reads the next one (after the piece's last row, a slot not fetched: unused).
       constexpr bool kAhead = forward_reads_ahead<T, K, kMasked>();
-      Row row_ahead;
+      [[maybe_unused]] Row row_ahead;  // read only with kAhead
       const auto read_first = [&] {
         if constexpr (kAhead) {
           ring_wait<kForwardDepth - 1>();
