@@ -227,7 +227,10 @@ bool launch_cluster_sums(cudaStream_t stream, const ConvParams& p, const Channel
   const int64_t cluster_blocks = cluster_items / kWarps;
   const int64_t blocks = p.groups * split.channel_groups.d * cluster_blocks;
   const int64_t resident_warps = resident_threads<kPlain>(kChannelFirstThreads) / kLanes;
-  if (cluster_items % kWarps != 0 || cluster_items > kMaxClusterItems ||
+  // cluster_blocks >= 2: the warps hand their sums to the leader by st.async, which needs a
+  // cluster of two blocks or more (compute-sanitizer's memcheck flags it in one of one block:
+  // "Cluster needs to have at least 2 blocks"), so one block's items take kPlain and the reduction.
+  if (cluster_items % kWarps != 0 || cluster_items > kMaxClusterItems || cluster_blocks < 2 ||
       blocks > kMaxGridBlocks || resident_warps == 0 || blocks * kWarps < resident_warps ||
       current_device_attribute<cudaDevAttrClusterLaunch>() == 0) {
     return false;

@@ -573,7 +573,8 @@ def test_channel_first_half_segments(dev, dtype, width, channels):
 # Without seq_idx, where a cluster of at most 8 blocks (32 warp items) holds every item of a weight
 # group's channel group and the grid fills the device at least once, the channel-first backward's
 # clusters sum dw/db themselves (ClusterSums): rows of 256 times, whole items, in 4 batch rows of
-# 2048 channels (clusters of one block), 8 of 1024 (two blocks) and 32 of 201 (eight blocks; an odd
+# 2048 channels (one block's items: no cluster, the plain kernel and the reduction, as st.async
+# needs two blocks), 8 of 1024 (two blocks) and 32 of 201 (eight blocks; an odd
 # channel count: the last item's second half-warp repeats its channel), with and without the
 # states, float32's one channel a warp. Those grids hold 3232-8192 warps (the H200 and H100 hold
 # 2112-3168 of these kernels'). The shapes of one partial wave take the plain kernel and the
