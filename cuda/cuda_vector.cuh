@@ -177,7 +177,8 @@ __device__ __forceinline__ uint32_t cluster_index() {
 // barrier's first arrival), then hand_over (a warp's row, or none), then the leader's
 // total(column, rows) as often as it needs, then finish (which keeps the cluster's other blocks
 // resident until the leader has every row: the shared memory they store into must outlive
-// their stores). sm_90 and later; on older devices the launchers take no cluster.
+// their stores). sm_90 and later, in clusters of two blocks or more (st.async needs a peer block:
+// launch_cluster_sums takes no smaller cluster); on older devices the launchers take no cluster.
 template <int kRows, int kColumns>
 struct ClusterSums {
   float rows[kRows][kColumns];
