@@ -8,8 +8,9 @@ kernels' seq_idx check shared by a block's warps, the bfloat16 channel-first bac
 cores (calls without states), decode steps of the one-token kernel (channel-last,
 channel-first with and without the shared-memory staging, ring mode, a pool with padding rows,
 grids of several blocks with threads past the channels and rows) and of the generic one (several
-tokens, states longer than K - 1, a width past the compiled ones), and checks each result against
-the reference so a wrong answer also fails the run. Each printed line starts with the case's
+tokens, states longer than K - 1, a width past the compiled ones), the channel-first backward's
+cluster sums (clusters of two and eight blocks, and one block's items, which take no cluster), and
+checks each result against the reference so a wrong answer also fails the run. Each printed line starts with the case's
 index; `--start N` runs the cases from index N on (scripts/gpu_check.sh resumes with it after a
 sanitizer crash), `--stop N` those before index N.
 """
@@ -87,6 +88,16 @@ CASES = [
     # the masked 16-bit channel-first backward at K = 4-5: a quarter-warp a row, in segments of 8
     # packs, and rows of at most 32 segments (2040: 31 and 7 packs) one item
     (2, 2040, 256, 5, "BDL", jnp.float16, 3, True),
+    # the channel-first backward's cluster sums (no seq_idx; grids that fill an H100 or H200):
+    # clusters of two blocks and of eight (201 channels: the last item's second half-warp repeats
+    # its channel), and one block's items, which must take the plain kernel and the reduction
+    # (st.async needs a cluster of two blocks); the tensor-core kernel's clusters of eight and
+    # its one block's items
+    (8, 256, 1024, 4, "BDL", jnp.bfloat16, 0, True),
+    (32, 256, 201, 8, "BDL", jnp.float16, 0, False),
+    (4, 256, 2048, 2, "BDL", jnp.float32, 0, None),
+    (32, 2048, 256, 8, "BDL", jnp.bfloat16, 0, None),
+    (4, 2048, 2048, 7, "BDL", jnp.bfloat16, 0, None),
 ]
 
 
