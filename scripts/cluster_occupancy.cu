@@ -9,7 +9,7 @@
 // device's peak DRAM bandwidth first, which a rule by device would read (benchmarks/trials,
 // cf-clusters-by-bandwidth). On a GPU machine, from the repository root:
 //
-//   nvcc -std=c++17 --expt-relaxed-constexpr -arch=sm_90 -O3 -Icuda -I<XLA FFI headers> \
+//   nvcc -std=c++17 --expt-relaxed-constexpr -arch=sm_90 -O3 -Icuda -isystem <XLA FFI headers> \
 //     scripts/cluster_occupancy.cu -o /tmp/cluster_occupancy && /tmp/cluster_occupancy
 //
 // (the FFI headers: `python3 scripts/ffi_headers.py DIR`, or jax.ffi.include_dir()).
@@ -38,7 +38,8 @@ int report(const char* name) {
   const int sms = causal_conv::device_attribute(0, cudaDevAttrMultiProcessorCount);
   std::printf("%s: plain kernel %d blocks an SM, %d at once on %d SMs\n", name, plain_blocks,
               plain_blocks * sms, sms);
-  for (const unsigned cluster_blocks : {1u, 2u, 4u, 8u}) {
+  // No clusters of one block: launch_cluster_sums takes none (st.async needs a peer block).
+  for (const unsigned cluster_blocks : {2u, 4u, 8u}) {
     cudaLaunchAttribute attribute = causal_conv::cluster_dimension(cluster_blocks);
     const cudaLaunchConfig_t config = causal_conv::launch_config(
         dim3(cluster_blocks * 128), dim3(kChannelFirstThreads), nullptr, &attribute);
