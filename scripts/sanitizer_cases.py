@@ -10,9 +10,9 @@ channel-first with and without the shared-memory staging, ring mode, a pool with
 grids of several blocks with threads past the channels and rows) and of the generic one (several
 tokens, states longer than K - 1, a width past the compiled ones), the channel-first backward's
 cluster sums (clusters of two and eight blocks, and one block's items, which take no cluster), and
-checks each result against the reference so a wrong answer also fails the run. Each printed line starts with the case's
-index; `--start N` runs the cases from index N on (scripts/gpu_check.sh resumes with it after a
-sanitizer crash), `--stop N` those before index N.
+checks each result against the float64 reference (on the host) so a wrong answer also fails the
+run. Each printed line starts with the case's index; `--start N` runs the cases from index N on
+(scripts/gpu_check.sh resumes with it after a sanitizer crash), `--stop N` those before index N.
 """
 
 import argparse
@@ -214,9 +214,9 @@ def main(argv=None):
         inputs = (x, w, b, s)
         argnums = (1, 2, 3, 4) if with_state else (1, 2, 3)
         grads = jax.jit(jax.grad(partial(loss, jcc.causal_conv1d), argnums=argnums))(seq, *inputs)
-        # The float64 reference on the host: its op-by-op intermediates (K shifted copies of x)
-        # left the device too little memory for the largest cases under memcheck (an H100 ran
-        # out at case 38, tests/GPU.md, sixty-fifth session).
+        # The float64 reference and the errors on the host: on the device, with the reference's
+        # op-by-op intermediates (K shifted copies of x), an H100 under memcheck ran out of
+        # memory at case 38 (tests/GPU.md, sixty-fifth session).
         with jax.default_device(jax.devices("cpu")[0]):
             f64 = [None if a is None else jnp.asarray(np.asarray(a), jnp.float64) for a in inputs]
             seq_on_host = None if seq is None else jnp.asarray(np.asarray(seq))
