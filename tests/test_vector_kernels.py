@@ -646,11 +646,11 @@ def compare_case(dev, rng, case, **shape):
 # last dx needs the next item's first deltas, its dw/db not; 22, 22 and 21 at 3168 warps). Where
 # a cluster of at most 8 blocks holds every item of a channel's weight group and the grid fills
 # the device, the kernel runs in clusters that sum dw/db themselves (as the scalar kernel's,
-# above): the wrap shape in clusters of two blocks, 4 batch rows of 2048 channels in clusters of
-# one, 32 rows of 256 channels of eight (whole rows of 16 blocks: 8192 warps, which
-# channel_first_chunk keeps whole where 4352 or 8800 would be cut in two, too short for tensor
-# cores); the cut shape takes none. Float
-# and bfloat16 weights: split into high and low parts, or exact.
+# above): the wrap shape in clusters of two blocks, 32 rows of 256 channels of eight (whole rows
+# of 16 blocks: 8192 warps, which channel_first_chunk keeps whole where 4352 or 8800 would be cut
+# in two, too short for tensor cores); 4 batch rows of 2048 channels hold one block's items, which
+# take no cluster (st.async needs two blocks: the plain kernel and the reduction), and the cut
+# shape none. Float and bfloat16 weights: split into high and low parts, or exact.
 @pytest.mark.parametrize("case", [
     dict(activation="silu", bias=True, state=False, final="none"),
     dict(activation=None, bias=True, state=False, final="none"),
@@ -659,7 +659,7 @@ def compare_case(dev, rng, case, **shape):
 ], ids=["silu", "identity", "no_bias", "bf16_params"])
 @pytest.mark.parametrize("shape", [(8, 2056, 1024), (2, 8320, 512), (4, 2048, 2048),
                                    (32, 2048, 256)],
-                         ids=["wrap", "cut", "clusters_of_1", "clusters_of_8"])
+                         ids=["wrap", "cut", "one_block", "clusters_of_8"])
 @pytest.mark.parametrize("width", [7, 8])
 @pytest.mark.parametrize("dev", GPU)
 def test_channel_first_tensor_cores(dev, width, shape, case):
