@@ -7,7 +7,7 @@ and what was expected, before anything reaches a kernel.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -58,12 +58,22 @@ def _array(value: Any, name: str, fn: str) -> jnp.ndarray:
     return value
 
 
+def is_float_dtype(dtype: np.dtype, allowed: Optional[Sequence[Any]] = None) -> bool:
+    """Whether `dtype` is one of `allowed`, or any floating dtype when `allowed` is not given."""
+    if allowed:
+        return any(dtype == np.dtype(d) for d in allowed)
+    return bool(jnp.issubdtype(dtype, jnp.floating))
+
+
+def float_dtype_names(allowed: Optional[Sequence[Any]] = None) -> str:
+    """What `is_float_dtype` accepts, in words, for an error message."""
+    return ", ".join(np.dtype(d).name for d in allowed) if allowed else "a floating dtype"
+
+
 def _check_float(value: Any, name: str, fn: str, allowed=None) -> None:
     dtype = np.dtype(value.dtype)
-    ok = any(dtype == np.dtype(d) for d in allowed) if allowed else jnp.issubdtype(dtype, jnp.floating)
-    if not ok:
-        names = ", ".join(np.dtype(d).name for d in allowed) if allowed else "a floating dtype"
-        raise TypeError(f"{fn}: `{name}` must have dtype {names}, got {dtype.name}")
+    if not is_float_dtype(dtype, allowed):
+        raise TypeError(f"{fn}: `{name}` must have dtype {float_dtype_names(allowed)}, got {dtype.name}")
 
 
 def check_layout(layout: Any, fn: str) -> str:

@@ -16,7 +16,15 @@ from flax import nnx
 
 from ._conv import causal_conv1d
 from ._update import causal_conv1d_update
-from ._validation import MAX_WIDTH, X_DTYPES, _array, check_activation, check_flag
+from ._validation import (
+    MAX_WIDTH,
+    X_DTYPES,
+    _array,
+    check_activation,
+    check_flag,
+    float_dtype_names,
+    is_float_dtype,
+)
 
 Initializer = Callable[..., jax.Array]
 
@@ -49,12 +57,9 @@ def _float_dtype(value: Any, name: str, allowed=None):
         dtype = np.dtype(value)
     except TypeError:
         dtype = None
-    if dtype is None or not (
-        any(dtype == np.dtype(d) for d in allowed) if allowed else jnp.issubdtype(dtype, jnp.floating)
-    ):
-        expected = ", ".join(np.dtype(d).name for d in allowed) if allowed else "a floating dtype"
+    if dtype is None or not is_float_dtype(dtype, allowed):
         got = dtype.name if dtype is not None else repr(value)
-        raise TypeError(f"CausalConv1d: `{name}` must be {expected}, got {got}")
+        raise TypeError(f"CausalConv1d: `{name}` must be {float_dtype_names(allowed)}, got {got}")
     return dtype
 
 
