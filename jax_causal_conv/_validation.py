@@ -73,7 +73,8 @@ def float_dtype_names(allowed: Optional[Sequence[Any]] = None) -> str:
 def _check_float(value: Any, name: str, fn: str, allowed=None) -> None:
     dtype = np.dtype(value.dtype)
     if not is_float_dtype(dtype, allowed):
-        raise TypeError(f"{fn}: `{name}` must have dtype {float_dtype_names(allowed)}, got {dtype.name}")
+        expected = float_dtype_names(allowed)
+        raise TypeError(f"{fn}: `{name}` must have dtype {expected}, got {dtype.name}")
 
 
 def check_layout(layout: Any, fn: str) -> str:
