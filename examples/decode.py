@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jax_causal_conv.nn import CausalConv1d
+from jax_causal_conv.reference import relative_error
 
 
 class TinyMamba(nnx.Module):
@@ -66,7 +67,7 @@ def main(batch: int = 2, prompt_len: int = 12, new_tokens: int = 16) -> None:
     tokens = jnp.concatenate([prompt, jnp.stack(generated, axis=1)], axis=1)
     decoded = jnp.concatenate([prefill_logits, jnp.stack(step_logits, axis=1)], axis=1)
     full = forward(model, tokens)
-    err = float(jnp.linalg.norm(decoded - full) / jnp.linalg.norm(full))
+    err = relative_error(decoded, full)
     print(f"device: {jax.devices()[0].platform}; generated {new_tokens} tokens per row after a "
           f"{prompt_len}-token prompt")
     print("row 0:", np.asarray(tokens[0, prompt_len:]).tolist())

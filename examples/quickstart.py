@@ -8,12 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_causal_conv as jcc
-
-
-def relative_error(a, b):
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+from jax_causal_conv.reference import relative_error
 
 
 def main():

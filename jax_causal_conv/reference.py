@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from ._validation import check_conv_args, check_update_args, check_varlen_args
@@ -23,6 +24,20 @@ TOLERANCE = {
     jnp.dtype(jnp.float16): 2e-3,
     jnp.dtype(jnp.bfloat16): 1e-2,
 }
+
+
+def relative_error(out, ref) -> float:
+    """||out - ref|| / ||ref|| in float64, the measure of `TOLERANCE` (||out|| where ref is all
+    zero); NaN in either gives inf, so that it never passes a tolerance."""
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    if out.shape != ref.shape:
+        raise ValueError(f"relative_error: shapes differ, {out.shape} against {ref.shape}")
+    if np.isnan(out).any() or np.isnan(ref).any():
+        return float("inf")
+    denom = np.linalg.norm(ref)
+    num = np.linalg.norm(out - ref)
+    return float(num / denom) if denom > 0 else float(num)
 
 
 def accumulation_dtype(dtype) -> jnp.dtype:

@@ -18,7 +18,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from jax_causal_conv.reference import TOLERANCE  # noqa: E402
+from jax_causal_conv.reference import TOLERANCE, relative_error  # noqa: E402
 
 DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16, jnp.float64]
 
@@ -68,20 +68,8 @@ def device(name: str):
     return jax.devices("cpu")[0] if name == "cpu" else gpu_devices()[0]
 
 
-def rel_err(out, ref) -> float:
-    """||out - ref|| / ||ref|| in float64; NaN anywhere gives inf, so it never passes."""
-    out = np.asarray(jnp.asarray(out, jnp.float64))
-    ref = np.asarray(jnp.asarray(ref, jnp.float64))
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    if np.isnan(out).any() or np.isnan(ref).any():
-        return float("inf")
-    denom = np.linalg.norm(ref)
-    num = np.linalg.norm(out - ref)
-    return float(num / denom) if denom > 0 else float(num)
-
-
 def assert_close(out, ref, dtype, what=""):
-    err = rel_err(out, ref)
+    err = relative_error(out, ref)
     tol = TOLERANCE[jnp.dtype(dtype)]
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.0e}"
 

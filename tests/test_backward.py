@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import DEVICES, DTYPES, TOLERANCE, assert_close, device, make_inputs, rel_err, to_f64
+from conftest import (DEVICES, DTYPES, TOLERANCE, assert_close, device, make_inputs, relative_error,
+                      to_f64)
 from jax.test_util import check_grads
 
 from jax_causal_conv import causal_conv1d, reference
@@ -175,7 +176,7 @@ def test_tile_tails(dev, layout, activation, width, length):
         grads, ref = compare(dev, rng, args, None, dtype, activation=activation, layout=layout,
                              final="random")
         for a, tail in tile_tails(length, width - 1):
-            err = rel_err(np.take(grads["x"], tail, axis), np.take(ref["x"], tail, axis))
+            err = relative_error(np.take(grads["x"], tail, axis), np.take(ref["x"], tail, axis))
             assert err <= TOLERANCE[jnp.dtype(dtype)], (
                 f"{jnp.dtype(dtype).name} dx at the last K-1 times of the tile at t={a}: {err:.3e}"
             )

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import DEVICES, TOLERANCE, device, rel_err, to_f64
+from conftest import DEVICES, TOLERANCE, device, relative_error, to_f64
 
 import jax_causal_conv as jcc
 from jax_causal_conv import reference
@@ -437,7 +437,7 @@ def conv_args(rng, batch, length, channels, width, layout, dtype=jnp.float32):
 def assert_matches(out, ref, dtype, what):
     for i, (o, r) in enumerate(zip(jax.tree.leaves(out), jax.tree.leaves(ref))):
         assert o.shape == r.shape, (what, i, o.shape, r.shape)
-        err = rel_err(o, r)
+        err = relative_error(o, r)
         assert err <= TOLERANCE[jnp.dtype(dtype)], f"{what} leaf {i}: {err:.2e}"
 
 
@@ -546,7 +546,7 @@ def assert_same_nonfinite(out, ref, tol, what):
     for kind, test in (("NaN", np.isnan), ("+Inf", np.isposinf), ("-Inf", np.isneginf)):
         np.testing.assert_array_equal(test(out), test(ref), err_msg=f"{what}: {kind} positions differ")
     finite = np.isfinite(ref)
-    err = rel_err(np.where(finite, out, 0), np.where(finite, ref, 0))
+    err = relative_error(np.where(finite, out, 0), np.where(finite, ref, 0))
     assert err <= tol, f"{what}: finite entries differ by {err:.2e}"
 
 
@@ -694,7 +694,7 @@ def test_update_nonfinite(mode, dev):
         np.testing.assert_array_equal(np.asarray(new_state, np.float64), np.asarray(state_ref))
         np.testing.assert_array_equal(np.asarray(new_state, np.float64)[unused],
                                       np.asarray(args[1], np.float64)[unused])
-        assert rel_err(y, y_ref) <= TOLERANCE[jnp.dtype(dtype)]
+        assert relative_error(y, y_ref) <= TOLERANCE[jnp.dtype(dtype)]
         # Now in the window and the new tokens of live rows: positions as in the reference.
         args = as_dtype((sprinkle(rng, x, 0.2), sprinkle(rng, state, 0.2), w), dtype)
         y, _ = jcc.causal_conv1d_update(*jax.device_put(args, device(dev)), **kwargs)

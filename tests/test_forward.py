@@ -298,3 +298,23 @@ def test_platform_without_kernels_lowers_to_reference(dev, layout, monkeypatch):
         jax_causal_conv._native.native_platforms - {platform},
     )
     assert not _OUR_CUSTOM_CALL.search(_lowering_case(dev, layout))
+
+
+# The measure every tolerance in the tests is read against (reference.TOLERANCE), public so that
+# users check their own numbers the same way.
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_relative_error(dtype):
+    rng = np.random.default_rng()
+    ref = rng.standard_normal((3, 17))
+    out = jnp.asarray(ref + 1e-2 * rng.standard_normal(ref.shape), dtype)
+    expected = np.linalg.norm(np.asarray(out, np.float64) - ref) / np.linalg.norm(ref)
+    assert reference.relative_error(out, ref) == pytest.approx(expected, rel=1e-12)
+    assert reference.relative_error(ref, ref) == 0.0
+    zeros = np.zeros_like(ref)
+    assert reference.relative_error(ref, zeros) == pytest.approx(np.linalg.norm(ref), rel=1e-12)
+    with_nan = ref.copy()
+    with_nan[1, 2] = np.nan
+    assert reference.relative_error(with_nan, ref) == float("inf")
+    assert reference.relative_error(ref, with_nan) == float("inf")
+    with pytest.raises(ValueError, match="shapes differ"):
+        reference.relative_error(ref, ref[:2])

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import DEVICES, TOLERANCE, device, rel_err, to_f64
+from conftest import DEVICES, TOLERANCE, device, relative_error, to_f64
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -54,7 +54,7 @@ def tolerance(*dtypes) -> float:
 
 
 def check(out, ref, tol, what):
-    err = rel_err(out, ref)
+    err = relative_error(out, ref)
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.0e}"
 
 
